@@ -1,0 +1,28 @@
+"""tenplex: device-independent training state for dp/tp/pp parallelism.
+
+A job's state is a :class:`PTree` of leaves with declared layouts. The
+planner works out which part of which tensor each rank of a new parallel
+config needs and where it can be found; executors move exactly those bytes.
+"""
+
+from tenplex.errors import (AlreadyExistsError, ConfigError, CorruptShardError, LayoutError,
+                            ManifestError, MissingDataError, PathError, PlanError,
+                            ReplicaMismatchError, ShardError, StoreError, TenplexError,
+                            TransferError)
+from tenplex.ptree import (Box, Coord, DPShard, FlatBuffer, Layout, Padding, ParallelConfig, PTree,
+                           Scope, Sharding, Split, Stage, StageKind, TensorLeaf, ValueLeaf,
+                           materialize)
+from tenplex.ptree.shards import assemble as assemble_shards
+from tenplex.transform import (Device, ExecStats, Link, OpKind, Placement, Plan, execute_local,
+                               make_plan)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyExistsError", "Box", "ConfigError", "Coord", "CorruptShardError", "DPShard", "Device",
+    "ExecStats", "FlatBuffer", "Layout", "LayoutError", "Link", "ManifestError",
+    "MissingDataError", "OpKind", "PTree", "Padding", "ParallelConfig", "PathError", "Placement",
+    "Plan", "PlanError", "ReplicaMismatchError", "Scope", "ShardError", "Sharding", "Split",
+    "Stage", "StageKind", "StoreError", "TenplexError", "TensorLeaf", "TransferError",
+    "ValueLeaf", "assemble_shards", "execute_local", "make_plan", "materialize",
+]

@@ -1,0 +1,218 @@
+"""Materialize a rank's local shards from global state, and assemble them back.
+
+*Global state* maps each leaf path to:
+
+- a tensor of the leaf's logical global shape and dtype (tensor leaves);
+- the value (``Scope.GLOBAL`` value leaves);
+- ``{key: value}`` (``Scope.RANK`` and ``Scope.COORD``), keys as given by
+  :meth:`ValueLeaf.key`, e.g. ``"tp=1,pp=0"``.
+
+*Local shards* of one rank map each leaf path the rank holds to its local
+tensor (see :mod:`tenplex.ptree.sharding`) or value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from tenplex.errors import ReplicaMismatchError, ShardError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.region import Box, intersect, relative, to_slices
+from tenplex.ptree.sharding import Holding, Piece, Sharding
+from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf, torch_dtype
+
+__all__ = ["materialize", "assemble", "piece_view", "check_shard", "bitwise_equal"]
+
+Shards = dict[str, Any]
+
+
+def piece_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The view of ``local`` that holds ``piece.box`` of the global tensor.
+
+    Writes through the view land in ``local`` (``local`` must be contiguous).
+    """
+    flat = local.view(-1)
+    n = 1
+    for s in piece.view:
+        n *= s
+    return flat[piece.offset: piece.offset + n].view(piece.view)[to_slices(piece.local)]
+
+
+def check_shard(path: str, leaf: TensorLeaf, held: Holding, tensor: Any, rank: int) -> None:
+    """Raise ShardError unless ``tensor`` is a contiguous tensor of the expected shape and dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ShardError(f"rank {rank}, leaf {path}: expected a tensor, found {type(tensor).__name__}")
+    if tensor.dtype != torch_dtype(leaf.dtype):
+        raise ShardError(f"rank {rank}, leaf {path}: expected dtype {leaf.dtype}, "
+                         f"found {str(tensor.dtype).removeprefix('torch.')}")
+    if tuple(tensor.shape) != held.shape:
+        raise ShardError(f"rank {rank}, leaf {path}: expected local shape {list(held.shape)}, "
+                         f"found {list(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ShardError(f"rank {rank}, leaf {path}: local shard must be contiguous")
+
+
+def materialize(tree: PTree, state: Mapping[str, Any], config: ParallelConfig, rank: int,
+                sharding: Sharding | None = None) -> Shards:
+    """The local shards of ``rank`` under ``config``.
+
+    Padding elements (beyond the logical shape) are zero-filled.
+
+    Args:
+        tree: the tree spec.
+        state: global state (see the module docstring).
+        config: the parallel config.
+        rank: the rank, ``0 <= rank < config.world_size``.
+        sharding: a precomputed :class:`Sharding` of ``tree`` under ``config``.
+
+    Returns:
+        ``{path: local tensor or value}`` for every leaf the rank holds.
+
+    Raises:
+        ConfigError: if ``config`` cannot hold ``tree``.
+        ShardError: if ``state`` lacks a leaf or a tensor has the wrong shape or dtype.
+    """
+    sharding = sharding or Sharding(tree, config)
+    coord = config.coord(rank)
+    out: Shards = {}
+    for path, leaf in tree.leaves.items():
+        if path not in state:
+            raise ShardError(f"global state: leaf {path} is missing")
+        if isinstance(leaf, ValueLeaf):
+            out[path] = _value_for(path, leaf, state[path], config, rank)
+            continue
+        tensor = state[path]
+        _check_global(path, leaf, tensor)
+        held = sharding.holding(path, coord)
+        if held is None:
+            continue
+        local = torch.zeros(held.shape, dtype=tensor.dtype)
+        logical = Box((0,) * len(leaf.shape), leaf.shape)
+        for piece in held.pieces:
+            inside = intersect(piece.box, logical)
+            if inside is not None:
+                view = piece_view(local, piece)
+                view[to_slices(relative(inside, piece.box))] = tensor[to_slices(inside)]
+        out[path] = local
+    return out
+
+
+def _check_global(path: str, leaf: TensorLeaf, tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != leaf.shape \
+            or tensor.dtype != torch_dtype(leaf.dtype):
+        found = (f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+                 if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
+        raise ShardError(f"global state, leaf {path}: expected {list(leaf.shape)} {leaf.dtype}, "
+                         f"found {found}")
+
+
+def _value_for(path: str, leaf: ValueLeaf, value: Any, config: ParallelConfig, rank: int) -> Any:
+    if leaf.scope is Scope.GLOBAL:
+        return value
+    if not isinstance(value, Mapping):
+        raise ShardError(f"global state, leaf {path}: expected {{key: value}} for scope "
+                         f"{leaf.scope.value}, found {type(value).__name__}")
+    return value.get(leaf.key(config, rank))
+
+
+def assemble(tree: PTree, config: ParallelConfig, shards_by_rank: Mapping[int, Shards],
+             sharding: Sharding | None = None) -> dict[str, Any]:
+    """Global state from every rank's local shards (logical rows only).
+
+    Replicas are compared bit for bit wherever they overlap.
+
+    Args:
+        tree: the tree spec.
+        config: the config the shards are laid out for.
+        shards_by_rank: ``{rank: local shards}`` for every rank of ``config``.
+        sharding: a precomputed :class:`Sharding` of ``tree`` under ``config``.
+
+    Returns:
+        Global state: logical tensors and values.
+
+    Raises:
+        ShardError: if a rank or a leaf is missing, a shard has the wrong
+            shape or dtype, or some logical element is held by no rank.
+        ReplicaMismatchError: if two ranks hold different bytes for the same
+            element, naming the leaf and both ranks.
+    """
+    sharding = sharding or Sharding(tree, config)
+    missing = sorted(set(range(config.world_size)) - set(shards_by_rank))
+    if missing:
+        raise ShardError(f"assemble under {config}: shards of ranks {missing} are missing")
+    out: dict[str, Any] = {}
+    for path, leaf in tree.leaves.items():
+        if isinstance(leaf, ValueLeaf):
+            out[path] = _assemble_value(path, leaf, config, shards_by_rank)
+        else:
+            out[path] = _assemble_tensor(path, leaf, sharding, shards_by_rank)
+    return out
+
+
+def _assemble_tensor(path, leaf, sharding, shards_by_rank) -> torch.Tensor:
+    dtype = torch_dtype(leaf.dtype)
+    result = torch.zeros(leaf.shape, dtype=dtype)
+    written = torch.zeros(leaf.shape, dtype=torch.int16)
+    first_writer = torch.full(leaf.shape, -1, dtype=torch.int32)
+    logical = Box((0,) * len(leaf.shape), leaf.shape)
+    for cls in sharding.classes(path):
+        for rank in cls.ranks:
+            local = shards_by_rank[rank].get(path)
+            if local is None:
+                raise ShardError(f"rank {rank}: leaf {path} is missing from its shards")
+            check_shard(path, leaf, cls.holding, local, rank)
+            for piece in cls.holding.pieces:
+                inside = intersect(piece.box, logical)
+                if inside is None:
+                    continue
+                src = piece_view(local, piece)[to_slices(relative(inside, piece.box))]
+                _merge(path, rank, result, written, first_writer, inside, src)
+    if not bool(written.all()):
+        raise ShardError(f"assemble: leaf {path} has {int((written == 0).sum())} elements "
+                         "that no rank holds")
+    return result
+
+
+def _merge(path, rank, result, written, first_writer, box, src) -> None:
+    sl = to_slices(box)
+    dst, seen, who = result[sl], written[sl], first_writer[sl]
+    mask = seen > 0
+    if bool(mask.any()):
+        differ = mask & ~bitwise_equal(dst, src, elementwise=True)
+        if bool(differ.any()):
+            other = int(who[differ].flatten()[0])
+            raise ReplicaMismatchError(
+                f"leaf {path}: replicas on ranks {other} and {rank} differ in "
+                f"{int(differ.sum())} elements of region {box}")
+    dst.copy_(src)
+    who[~mask] = rank
+    seen += 1
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor, elementwise: bool = False):
+    """Bit-for-bit equality (NaNs with equal bits are equal, ``-0.0 != 0.0``)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False if not elementwise else torch.zeros(a.shape, dtype=torch.bool)
+    if a.dtype.is_floating_point:
+        as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.contiguous().view(as_int), b.contiguous().view(as_int)
+    eq = a == b
+    return eq if elementwise else bool(eq.all())
+
+
+def _assemble_value(path, leaf, config, shards_by_rank):
+    values: dict[str, Any] = {}
+    owner: dict[str, int] = {}
+    for rank in range(config.world_size):
+        shards = shards_by_rank[rank]
+        if path not in shards:
+            raise ShardError(f"rank {rank}: value leaf {path} is missing from its shards")
+        key = leaf.key(config, rank)
+        if key in values and values[key] != shards[path]:
+            raise ReplicaMismatchError(f"value leaf {path}[{key or 'global'}]: ranks {owner[key]} "
+                                       f"and {rank} hold {values[key]!r} and {shards[path]!r}")
+        values.setdefault(key, shards[path])
+        owner.setdefault(key, rank)
+    return values[""] if leaf.scope is Scope.GLOBAL else values

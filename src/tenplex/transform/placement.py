@@ -1,0 +1,76 @@
+"""Where ranks run: rank -> device, and device -> host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from tenplex.errors import ConfigError
+
+__all__ = ["Device", "Placement"]
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Device:
+    """One accelerator (or CPU process slot).
+
+    Attributes:
+        host: the host's name.
+        index: the device index on that host.
+    """
+
+    host: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Device":
+        host, _, index = text.rpartition(":")
+        return cls(host, int(index))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The device of every rank of a config.
+
+    Attributes:
+        devices: ``devices[rank]``; no device appears twice.
+
+    Example:
+        >>> Placement.contiguous(4, per_host=2).devices[3]
+        Device(host='h1', index=1)
+    """
+
+    devices: tuple[Device, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if len(set(self.devices)) != len(self.devices):
+            raise ConfigError("Placement: a device is given to two ranks")
+
+    @classmethod
+    def contiguous(cls, world_size: int, per_host: int = 8, first: int = 0) -> "Placement":
+        """Rank ``r`` on device ``(first + r) % per_host`` of host ``h{(first + r) // per_host}``."""
+        return cls(tuple(Device(f"h{(first + r) // per_host}", (first + r) % per_host)
+                         for r in range(world_size)))
+
+    @classmethod
+    def of(cls, devices: Sequence[Device | str]) -> "Placement":
+        return cls(tuple(d if isinstance(d, Device) else Device.parse(d) for d in devices))
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def check(self, world_size: int, what: str) -> None:
+        if len(self.devices) != world_size:
+            raise ConfigError(f"{what} placement has {len(self.devices)} devices, "
+                              f"expected world size {world_size}")
+
+    def to_json(self) -> list[str]:
+        return [str(d) for d in self.devices]
+
+    @classmethod
+    def from_json(cls, obj: list[str]) -> "Placement":
+        return cls.of(obj)
