@@ -257,6 +257,7 @@ class _Planner:
                 segments.append((seg, alts))
                 rest.extend(subtract(box, seg))
             remaining = rest
+        segments.sort(key=lambda s: s[0].offsets)
         return segments, fills, remaining
 
     def _emit(self, path, rank, device, j, tbox, cover, itemsize, src_classes):
