@@ -576,6 +576,8 @@ class Worker:
             # Common (non-sharded) entries come back from common.pt.
             del sd["opt_param_scheduler"], sd["iteration"]
         loaded = dist_checkpointing.load(sd, root)
+        # save(..., content_metadata=md) stores md in common.pt; load returns it as a key.
+        loaded.pop("content_metadata", None)
         if with_optim:
             self.model.load_state_dict(loaded["model"], strict=True)
             self.optimizer.load_state_dict(loaded["optimizer"])
@@ -583,7 +585,12 @@ class Worker:
             if "opt_param_scheduler" in loaded:
                 self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
         else:
-            state = loaded.get("model", loaded) if "model" in loaded and isinstance(loaded["model"], dict) else loaded
+            # Sharded tensors come back under the structure we passed in (flat model
+            # keys); common.pt entries of a checkpoint written with an optimizer
+            # (optimizer param_groups, opt_param_scheduler, iteration) come back as
+            # extra top-level keys: keep only the model's own keys.
+            model_keys = set(self.model.state_dict().keys())
+            state = {k: v for k, v in loaded.items() if k in model_keys}
             self.model.load_state_dict(state, strict=True)
         self.dist.barrier()
         log0(f"TIME load_dist {time.time() - t:.2f}")

@@ -211,6 +211,19 @@ class Sharding:
                 return (lo - start, hi - start) if hi > lo else None
         raise ConfigError(f"buffer {shard.buffer!r}: member {shard.key!r} lies in no bucket")
 
+    def _dp_holders(self, leaf: TensorLeaf, stage: int) -> range:
+        """The dp ranks whose range of the member's bucket may overlap the member."""
+        shard = leaf.layout.dp_shard
+        members, buckets = self.buffer_ranges(shard.buffer, stage)
+        start, numel = members[shard.key]
+        for bucket_start, length in buckets:
+            if bucket_start <= start < bucket_start + length:
+                per = length // self.config.dp
+                first = (start - bucket_start) // per
+                last = (start + max(numel, 1) - 1 - bucket_start) // per
+                return range(first, min(last, self.config.dp - 1) + 1)
+        return range(0)
+
     def flat_pieces(self, leaf: TensorLeaf, t: int, lo: int, hi: int) -> tuple[Piece, ...]:
         """Pieces of the flat range ``[lo, hi)`` of tp rank ``t``'s local shard."""
         local_shape, dense = self.tp_local(leaf, t)
@@ -260,7 +273,7 @@ class Sharding:
                 out.append(HolderClass(Holding(*self.tp_local(leaf, t)), tuple(ranks)))
                 continue
             for s in stages:
-                for d in range(cfg.dp):
+                for d in self._dp_holders(leaf, s):
                     held = self.holding(path, Coord(d, t, s))
                     if held is not None:
                         out.append(HolderClass(held, (cfg.rank(Coord(d, t, s)),)))

@@ -98,12 +98,15 @@ def _missing_message(missing: dict) -> str:
 
 def _value_ops(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: set) -> tuple:
     ops = []
-    for rank in range(dst.world_size):
-        for path, leaf in tree.values():
+    for path, leaf in tree.values():
+        first: dict[str, int] = {}
+        for r in sorted(alive):
+            first.setdefault(leaf.key(src, r), r)
+        for rank in range(dst.world_size):
             key = leaf.key(dst, rank)
-            holders = [r for r in sorted(alive) if leaf.key(src, r) == key]
-            source = rank if rank in holders else (holders[0] if holders else STORE_RANK)
-            ops.append(ValueOp(path, rank, source))
+            same = rank in alive and rank < src.world_size and leaf.key(src, rank) == key
+            ops.append(ValueOp(path, rank, rank if same else first.get(key, STORE_RANK)))
+    ops.sort(key=lambda op: op.dst_rank)
     return tuple(ops)
 
 
