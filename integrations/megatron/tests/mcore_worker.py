@@ -495,13 +495,14 @@ class Worker:
         self.a.iteration = it
         path = self.legacy_path(root)
         state = torch.load(path, map_location="cpu", weights_only=False)
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=True), None
+        self.model.load_state_dict(state["model"], strict=True)
         if self.optimizer is not None and not self.a.no_load_optim and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.a.dist_opt:
                 self.optimizer.load_parameter_state(
                     os.path.join(os.path.dirname(path), "distrib_optim.pt")
                 )
+            self._untie_steps()
             if "opt_param_scheduler" in state:
                 self.scheduler.load_state_dict(state["opt_param_scheduler"])
         self.dist.barrier()
@@ -535,7 +536,11 @@ class Worker:
         log0(f"TIME save_dist {time.time() - t:.2f}")
 
     def _fill_adam_state(self):
-        """Give every Adam param zero moments and a step, so is_loading sharded_state_dict works."""
+        """Give every Adam param zero moments and a step, so is_loading sharded_state_dict works.
+
+        A fresh torch Adam has empty state; DistributedOptimizer.state_dict() (called by
+        sharded_state_dict) reads ``s["step"]`` of every param and asserts one value.
+        """
         torch = self.torch
         for opt in _inner_optimizers(self.optimizer):
             for group in opt.param_groups:
@@ -548,13 +553,30 @@ class Worker:
                         st["step"] = torch.tensor(0.0)
 
     def _untie_steps(self):
-        """After loading, each Adam param needs its own step tensor (they come back shared)."""
+        """After loading, each Adam param needs its own step tensor.
+
+        DistributedOptimizer.load_state_dict assigns ONE step tensor to every param's
+        torch-Adam state; torch Adam then increments it once per param per step, so the
+        bias correction goes wrong from the second step on (losses drift silently).
+        """
         for opt in _inner_optimizers(self.optimizer):
             for group in opt.param_groups:
                 for p in group["params"]:
                     st = opt.state[p]
                     if "step" in st and isinstance(st["step"], self.torch.Tensor):
                         st["step"] = st["step"].clone()
+
+    def optim_summary(self, tag: str):
+        """Print per-param Adam state checksums (rank 0) when TENPLEX_DEBUG_OPT is set."""
+        if not os.environ.get("TENPLEX_DEBUG_OPT") or self.optimizer is None:
+            return
+        for opt in _inner_optimizers(self.optimizer):
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    st = opt.state[p]
+                    desc = {k: (round(float(v.double().sum()), 6) if v.numel() > 1 else float(v))
+                            for k, v in st.items()}
+                    log0(f"OPT {tag} g{gi} p{pi} numel={p.numel()} param={float(p.double().sum()):.6f} {desc}")
 
     def load_dist(self, root: str):
         from megatron.core import dist_checkpointing
@@ -612,8 +634,10 @@ def main(argv=None) -> int:
         w.load_legacy(a.load_dir)
     elif a.load == "dist":
         w.load_dist(a.load_dir)
+    w.optim_summary("after_load")
     if a.train_steps > 0:
         w.train()
+    w.optim_summary("before_save")
     if a.save == "legacy":
         w.save_legacy(a.save_dir)
     elif a.save == "dist":

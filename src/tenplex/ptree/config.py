@@ -111,14 +111,23 @@ class ParallelConfig:
         Raises:
             ConfigError: if a coordinate is out of range.
         """
-        sizes = self.sizes()
-        values = coord._asdict()
         rank = 0
         for axis in reversed(self.order):
-            if not 0 <= values[axis] < sizes[axis]:
-                raise ConfigError(f"{self}: {axis}={values[axis]} is outside [0, {sizes[axis]})")
-            rank = rank * sizes[axis] + values[axis]
+            size, value = getattr(self, axis), getattr(coord, axis)
+            if not 0 <= value < size:
+                raise ConfigError(f"{self}: {axis}={value} is outside [0, {size})")
+            rank = rank * size + value
         return rank
+
+    def stride(self, axis: str) -> int:
+        """How much the rank grows when ``axis``'s coordinate grows by one."""
+        sizes = self.sizes()
+        stride = 1
+        for name in self.order:
+            if name == axis:
+                return stride
+            stride *= sizes[name]
+        raise ConfigError(f"unknown axis {axis!r}")
 
     def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
         """The number of layers on each stage for a model of ``num_layers``.

@@ -261,23 +261,48 @@ class Sharding:
             return None
         return Holding((rng[1] - rng[0],), self.flat_pieces(leaf, coord.tp, *rng))
 
-    def classes(self, path: str) -> tuple[HolderClass, ...]:
-        """The holder classes of tensor leaf ``path``: replicas grouped, in rank order."""
+    def classes(self, path: str, tp_coord: int | None = None) -> tuple[HolderClass, ...]:
+        """The holder classes of tensor leaf ``path``: replicas grouped, in rank order.
+
+        Ranks whose holdings are equal are one class: every dp rank (unless
+        dp-sharded), every stage of a multi-stage leaf (unless dp-sharded),
+        and every tp rank when the leaf is not tp-split.
+
+        Args:
+            path: a tensor leaf.
+            tp_coord: only the classes of this tp rank (for a tp-split leaf).
+        """
+        key = ("classes", path, tp_coord)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
         leaf = self.tree[path]
         cfg = self.config
         stages = self.stages(leaf)
+        sd, st, sp = cfg.stride("dp"), cfg.stride("tp"), cfg.stride("pp")
+        tps = range(cfg.tp) if leaf.layout.split is not None else (None,)
+        if tp_coord is not None and leaf.layout.split is not None:
+            tps = (tp_coord,)
+        ranges = {}
+        if leaf.layout.dp_shard is not None:
+            ranges = {(d, s): self.dp_range(leaf, d, s)
+                      for s in stages for d in self._dp_holders(leaf, s)}
         out = []
-        for t in range(cfg.tp):
+        for t in tps:
+            members = range(cfg.tp) if t is None else (t,)
             if leaf.layout.dp_shard is None:
-                ranks = sorted(cfg.rank(Coord(d, t, s)) for s in stages for d in range(cfg.dp))
-                out.append(HolderClass(Holding(*self.tp_local(leaf, t)), tuple(ranks)))
+                ranks = sorted(d * sd + m * st + s * sp for s in stages for d in range(cfg.dp)
+                               for m in members)
+                out.append(HolderClass(Holding(*self.tp_local(leaf, t or 0)), tuple(ranks)))
                 continue
-            for s in stages:
-                for d in self._dp_holders(leaf, s):
-                    held = self.holding(path, Coord(d, t, s))
-                    if held is not None:
-                        out.append(HolderClass(held, (cfg.rank(Coord(d, t, s)),)))
-        return tuple(sorted(out, key=lambda c: c.ranks[0]))
+            for (d, s), rng in ranges.items():
+                if rng is not None:
+                    held = Holding((rng[1] - rng[0],), self.flat_pieces(leaf, t or 0, *rng))
+                    ranks = sorted(d * sd + m * st + s * sp for m in members)
+                    out.append(HolderClass(held, tuple(ranks)))
+        result = tuple(sorted(out, key=lambda c: c.ranks[0]))
+        self._memo[key] = result
+        return result
 
     def ranks_holding(self, path: str) -> tuple[int, ...]:
         """Every rank that holds some part of ``path``, ascending."""

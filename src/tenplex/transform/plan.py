@@ -11,12 +11,15 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tenplex.errors import PlanError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.region import Box
 from tenplex.transform.placement import Placement
 
-__all__ = ["OpKind", "Link", "CopyOp", "ValueOp", "PaddingChange", "Totals", "Plan", "FORMAT"]
+__all__ = ["OpKind", "Link", "CopyOp", "ValueOp", "PaddingChange", "Totals", "OpTable", "Plan",
+           "FORMAT", "STORE_RANK"]
 
 FORMAT = "tenplex.plan/1"
 
@@ -142,7 +145,98 @@ class Totals:
         return self.host + self.network + self.store
 
 
-@dataclass(frozen=True)
+_KINDS = tuple(OpKind)
+_LINKS = tuple(Link)
+KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
+LINK_CODE = {k: i for i, k in enumerate(_LINKS)}
+
+
+class OpTable:
+    """Copy ops as numpy columns, one row per op, sorted by target rank.
+
+    Large plans hold about a million ops; columns keep them in tens of MB and
+    let executors select a rank's ops without Python objects. ``table[i]``
+    and iteration give :class:`CopyOp` records.
+
+    Columns (all 1-D of length ``n`` unless noted): ``path`` (int32 index
+    into ``paths``), ``dst``, ``src`` (int32 ranks), ``offsets`` and
+    ``sizes`` (int64, ``[n, max_ndim]``, elements; axes past a leaf's ndim
+    are 0 and 1), ``src_piece``, ``dst_piece`` (int32), ``nbytes`` (int64),
+    ``kind``, ``link`` (int8 codes of :class:`OpKind` and :class:`Link`).
+    """
+
+    COLUMNS = ("path", "dst", "src", "offsets", "sizes", "src_piece", "dst_piece", "nbytes",
+               "kind", "link")
+
+    def __init__(self, paths, ndims, columns: dict):
+        self.paths = tuple(paths)
+        self.ndims = tuple(int(n) for n in ndims)
+        self.cols = {k: columns[k] for k in self.COLUMNS}
+        n = len(self.cols["dst"])
+        if any(len(c) != n for c in self.cols.values()):
+            raise PlanError("OpTable: columns have different lengths")
+        dst = self.cols["dst"]
+        if n and bool((dst[1:] < dst[:-1]).any()):
+            raise PlanError("OpTable: rows must be sorted by target rank")
+
+    @classmethod
+    def empty(cls, paths=(), ndims=()) -> "OpTable":
+        z = lambda dt: np.zeros(0, dtype=dt)
+        d = max(ndims, default=0)
+        return cls(paths, ndims, {"path": z(np.int32), "dst": z(np.int32), "src": z(np.int32),
+                                  "offsets": np.zeros((0, d), np.int64),
+                                  "sizes": np.zeros((0, d), np.int64),
+                                  "src_piece": z(np.int32), "dst_piece": z(np.int32),
+                                  "nbytes": z(np.int64), "kind": z(np.int8), "link": z(np.int8)})
+
+    def __len__(self) -> int:
+        return len(self.cols["dst"])
+
+    def __getitem__(self, i: int) -> CopyOp:
+        c = self.cols
+        p = int(c["path"][i])
+        nd = self.ndims[p]
+        return CopyOp(self.paths[p], int(c["dst"][i]), int(c["src"][i]),
+                      Box(tuple(int(v) for v in c["offsets"][i, :nd]),
+                          tuple(int(v) for v in c["sizes"][i, :nd])),
+                      int(c["src_piece"][i]), int(c["dst_piece"][i]), int(c["nbytes"][i]),
+                      _KINDS[c["kind"][i]], _LINKS[c["link"][i]])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def rows_for(self, dst_rank: int) -> range:
+        """Row indices of ``dst_rank``'s ops."""
+        dst = self.cols["dst"]
+        return range(int(np.searchsorted(dst, dst_rank, "left")),
+                     int(np.searchsorted(dst, dst_rank, "right")))
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, OpTable) and self.paths == other.paths
+                and self.ndims == other.ndims
+                and all(np.array_equal(self.cols[k], other.cols[k]) for k in self.COLUMNS))
+
+    def to_json(self) -> dict:
+        out = {"paths": list(self.paths), "ndims": list(self.ndims)}
+        for k in self.COLUMNS:
+            out[k] = self.cols[k].tolist()
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "OpTable":
+        d = max(obj["ndims"], default=0)
+        dtypes = {"offsets": np.int64, "sizes": np.int64, "nbytes": np.int64, "kind": np.int8,
+                  "link": np.int8}
+        cols = {}
+        for k in cls.COLUMNS:
+            arr = np.asarray(obj[k], dtype=dtypes.get(k, np.int32))
+            if k in ("offsets", "sizes"):
+                arr = arr.reshape(-1, d)
+            cols[k] = arr
+        return cls(obj["paths"], obj["ndims"], cols)
+
+
+@dataclass(frozen=True, eq=True)
 class Plan:
     """What every target rank must receive, from where.
 
@@ -150,10 +244,10 @@ class Plan:
         src: the source config.
         dst: the target config.
         src_placement, dst_placement: rank -> device on each side.
-        alive: the source ranks that could serve as sources.
-        ops: copy ops ordered by target rank, then tree leaf order, then
-            target piece and region.
-        values: value-leaf ops, ordered the same way.
+        alive: the source ranks that could serve data.
+        table: the copy ops, ordered by target rank, then tree leaf order,
+            then target piece and region (see :class:`OpTable`).
+        values: value-leaf ops, ordered by target rank then tree order.
         padding: padded axes whose padded length changes.
         totals: byte counts.
     """
@@ -163,33 +257,38 @@ class Plan:
     src_placement: Placement
     dst_placement: Placement
     alive: tuple[int, ...]
-    ops: tuple[CopyOp, ...]
+    table: OpTable
     values: tuple[ValueOp, ...] = ()
     padding: tuple[PaddingChange, ...] = ()
     totals: Totals = field(default_factory=Totals)
 
+    @property
+    def ops(self) -> OpTable:
+        """The copy ops; iterate or index for :class:`CopyOp` records."""
+        return self.table
+
     def ops_for(self, dst_rank: int) -> list[CopyOp]:
-        return [op for op in self.ops if op.dst_rank == dst_rank]
+        """``dst_rank``'s copy ops, in plan order."""
+        return [self.table[i] for i in self.table.rows_for(dst_rank)]
 
     def kinds(self) -> dict[str, int]:
         """Bytes per op kind."""
-        out: Counter = Counter()
-        for op in self.ops:
-            out[op.kind.value] += op.nbytes
-        return dict(out)
+        c = self.table.cols
+        sums = np.bincount(c["kind"], weights=c["nbytes"], minlength=len(_KINDS))
+        return {k.value: int(v) for k, v in zip(_KINDS, sums) if v}
 
     def matrix(self) -> dict[tuple[int, int], int]:
-        """``{(src_rank, dst_rank): bytes}`` over all ops but FILL."""
+        """``{(src_rank, dst_rank): bytes}`` over all ops but FILL (src -1: store reads)."""
+        c = self.table.cols
+        keep = c["kind"] != KIND_CODE[OpKind.FILL]
         out: Counter = Counter()
-        for op in self.ops:
-            if op.kind is not OpKind.FILL:
-                out[(op.src_rank, op.dst_rank)] += op.nbytes
+        for s, d, n in zip(c["src"][keep].tolist(), c["dst"][keep].tolist(),
+                           c["nbytes"][keep].tolist()):
+            out[(s, d)] += n
         return dict(out)
 
     # -- JSON -------------------------------------------------------------
     def to_json(self) -> dict:
-        paths = list(dict.fromkeys([op.path for op in self.ops] + [v.path for v in self.values]))
-        index = {p: i for i, p in enumerate(paths)}
         return {
             "format": FORMAT,
             "src": self.src.to_json(),
@@ -197,11 +296,8 @@ class Plan:
             "src_placement": self.src_placement.to_json(),
             "dst_placement": self.dst_placement.to_json(),
             "alive": list(self.alive),
-            "paths": paths,
-            "ops": [[index[o.path], o.dst_rank, o.src_rank, list(o.region.offsets),
-                     list(o.region.sizes), o.src_piece, o.dst_piece, o.nbytes, o.kind.value,
-                     o.link.value] for o in self.ops],
-            "values": [[index[v.path], v.dst_rank, v.src_rank] for v in self.values],
+            "ops": self.table.to_json(),
+            "values": [[v.path, v.dst_rank, v.src_rank] for v in self.values],
             "padding": [[p.path, p.axis, p.logical, p.src_padded, p.dst_padded]
                         for p in self.padding],
             "totals": {k: getattr(self.totals, k) for k in Totals.__dataclass_fields__},
@@ -222,15 +318,13 @@ class Plan:
             found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
             raise PlanError(f"plan: expected format {FORMAT!r}, found {found!r}")
         try:
-            paths = obj["paths"]
-            ops = tuple(CopyOp(paths[p], d, s, Box(tuple(off), tuple(size)), sp, dp, n,
-                               OpKind(k), Link(link))
-                        for p, d, s, off, size, sp, dp, n, k, link in obj["ops"])
-            values = tuple(ValueOp(paths[p], d, s) for p, d, s in obj["values"])
+            values = tuple(ValueOp(p, d, s) for p, d, s in obj["values"])
             padding = tuple(PaddingChange(*row) for row in obj["padding"])
             return cls(ParallelConfig.from_json(obj["src"]), ParallelConfig.from_json(obj["dst"]),
                        Placement.from_json(obj["src_placement"]),
-                       Placement.from_json(obj["dst_placement"]), tuple(obj["alive"]), ops,
-                       values, padding, Totals(**obj["totals"]))
+                       Placement.from_json(obj["dst_placement"]), tuple(obj["alive"]),
+                       OpTable.from_json(obj["ops"]), values, padding, Totals(**obj["totals"]))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
+            if isinstance(exc, PlanError):
+                raise
             raise PlanError(f"plan: malformed JSON: {exc!r}") from exc

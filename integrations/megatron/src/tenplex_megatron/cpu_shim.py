@@ -40,6 +40,9 @@ Two entry points, both idempotent (calling them twice is a no-op):
       because the optimizer compares ``param.type()`` with
       ``'torch.cuda.FloatTensor'`` / ``'torch.cuda.HalfTensor'`` /
       ``'torch.cuda.BFloat16Tensor'`` and raises ``TypeError`` otherwise;
+    * wraps ``DistributedOptimizer._set_main_param_and_optimizer_states`` so a
+      ``fully_reshardable`` load with torch Adam does not fail with
+      ``KeyError: 'step'`` (see ``_patch_distrib_optimizer_step``);
     * makes ``torch.cuda.is_current_stream_capturing`` return ``False`` and
       ``torch.cuda.current_stream``/``Stream``/``Event``/``stream`` into
       harmless stand-ins where the buffers touch them.
@@ -190,6 +193,52 @@ class _FakeStream:
         return None
 
 
+def _patch_distrib_optimizer_step() -> None:
+    """Let ``fully_reshardable`` loads work with torch Adam (no Apex/TE).
+
+    Without Apex/TE, ``DistributedOptimizer.load_state_dict`` puts a ``step``
+    tensor into every param's torch-Adam state, then
+    ``load_parameter_state_from_fully_reshardable`` drops ``step`` from the
+    loaded tensors and ``_set_main_param_and_optimizer_states`` copies every
+    *destination* key, so it fails with ``KeyError: 'step'``. This wrapper
+    supplies the destination's own ``step`` for any missing key, making that
+    copy a no-op; the step value itself comes from the checkpoint's
+    ``param_groups[i]['step']``. A ``step`` among the *loaded* tensors is
+    dropped: with ``dp_reshardable`` the per-param dicts of the is_loading
+    template carry the fresh optimizer's ``step`` (not stored in the
+    checkpoint), and copying it would silently reset Adam's step to 0.
+
+    It also runs the copy under ``torch.no_grad()``:
+    ``load_parameter_state_from_dp_reshardable`` lacks the decorator that the
+    fully_reshardable loader has, and with fp32 params (main param = a view of
+    the model param, which requires grad) it fails with ``RuntimeError: a view
+    of a leaf Variable that requires grad is being used in an in-place
+    operation.``
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(orig, "_tenplex_cpu_shim", False):
+        return
+
+    def _set_states(self: Any, model_param: Any, tensors: dict) -> None:
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            # "step" always comes from param_groups[i]["step"] (already applied by
+            # load_state_dict); a "step" among the loaded tensors is only the
+            # placeholder of the is_loading template, so never copy it.
+            tensors = {k: v for k, v in tensors.items() if k != "step"}
+            missing = {k: v for k, v in state.items() if k not in tensors}
+            tensors = {**tensors, **missing}
+        with torch.no_grad():
+            orig(self, model_param, tensors)
+
+    _set_states._tenplex_cpu_shim = True  # type: ignore[attr-defined]
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_states
+
+
 def apply_optimizer_patches() -> None:
     """Patches for Megatron DDP + distributed optimizer on CPU.
 
@@ -219,6 +268,8 @@ def apply_optimizer_patches() -> None:
     torch.cuda.Stream = _FakeStream
     torch.cuda.Event = _FakeStream
     torch.cuda.stream = lambda *_a, **_k: contextlib.nullcontext()
+
+    _patch_distrib_optimizer_step()
 
     _DEVICE_MODE = _CudaToCpuMode()
     _DEVICE_MODE.__enter__()

@@ -1,0 +1,267 @@
+"""Per-leaf resharding geometry: who holds what, and how target pieces are covered.
+
+The planner asks, for one tensor leaf, which source holder classes (pools of
+replica ranks) hold which boxes, and how each target holder class's pieces
+are cut into *segments*, each held whole by one or more source pieces. Leaves
+with the same shapes, layout and stage mapping share one :class:`LeafGeometry`
+(all 96 layers' QKV weights that move from stage 3 to stage 1, say), so the
+geometry is computed once per kind of leaf rather than once per leaf.
+
+Everything here is pure and deterministic; nothing touches tensor data.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import numpy as np
+
+from tenplex.ptree.region import Box, contains, full_box, intersect, subtract
+from tenplex.ptree.sharding import Sharding
+from tenplex.ptree.tree import TensorLeaf
+from tenplex.transform.plan import KIND_CODE, OpKind
+
+__all__ = ["Segment", "LeafGeometry", "signature", "tp_symmetric", "tp_shift"]
+
+COPY, FILL, MISSING = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A box of one target piece and the source pieces that hold all of it.
+
+    Attributes:
+        type: COPY (0), FILL (1, padding only the target has) or MISSING (2,
+            no live source holds it).
+        box: the global box.
+        dst_piece: the target piece index.
+        alts: ``((pool, src_piece, kind code), ...)``, best first; empty
+            unless ``type == COPY``.
+    """
+
+    type: int
+    box: Box
+    dst_piece: int
+    alts: tuple[tuple[int, int, int], ...]
+
+
+def signature(S: Sharding, D: Sharding, leaf: TensorLeaf) -> tuple:
+    """Leaves with equal signatures have equal geometry under (S, D)."""
+    return (S.physical_shape(leaf), D.physical_shape(leaf), leaf.layout.split,
+            S.stages(leaf), D.stages(leaf), leaf.layout.dp_shard)
+
+
+class _Cand:
+    __slots__ = ("pool", "piece", "box", "start", "end")
+
+    def __init__(self, pool: int, piece: int, box: Box):
+        self.pool, self.piece, self.box = pool, piece, box
+        self.start = box.offsets[0] if box.offsets else 0
+        self.end = self.start + (box.sizes[0] if box.sizes else 1)
+
+
+class _Index:
+    """Candidates indexed on axis 0 for overlap queries (sorted starts, prefix-max ends)."""
+
+    def __init__(self, cands: list[_Cand]):
+        self.cands = sorted(cands, key=lambda c: (c.start, c.end, c.pool, c.piece))
+        self.starts = [c.start for c in self.cands]
+        self.max_end = []
+        top = -1
+        for c in self.cands:
+            top = max(top, c.end)
+            self.max_end.append(top)
+
+    def overlapping(self, box: Box) -> list[_Cand]:
+        if not box.sizes:
+            return list(self.cands)
+        lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
+        i = bisect_left(self.starts, hi) - 1
+        out = []
+        while i >= 0 and self.max_end[i] > lo:
+            c = self.cands[i]
+            if c.end > lo:
+                out.append(c)
+            i -= 1
+        out.reverse()
+        return out
+
+
+class LeafGeometry:
+    """Source pools and target classes of one kind of leaf, with cached covers.
+
+    Attributes:
+        pools: per source holder class, its live ranks (int32 arrays).
+        member: ``member[pool, rank]``: ``rank`` is a live rank of ``pool``;
+            shape ``[pools, src_world + 1]`` (the last column is a sentinel
+            for "no rank").
+        class_of_src: the holder class of each source rank (-1: none);
+            length ``src_world + 1``.
+        dst_classes: per target holder class, ``(ranks, pieces' boxes)``.
+
+    Args:
+        shared: a cover memo shared between geometries; covers are keyed by
+            their geometry relative to the target box, so a translated copy
+            (the same picture on another tp rank) is computed once.
+    """
+
+    def __init__(self, S: Sharding, D: Sharding, path: str, alive_mask: np.ndarray,
+                 shared: dict | None = None, tp_coord: int | None = None):
+        leaf = S.tree[path]
+        self._shared = {} if shared is None else shared
+        world = S.config.world_size
+        self.extent = full_box(S.physical_shape(leaf))
+        src_classes = S.classes(path, tp_coord)
+        self.class_of_src = np.full(world + 1, -1, dtype=np.int64)
+        self.pools: list[np.ndarray] = []
+        self.member = np.zeros((len(src_classes), world + 1), dtype=bool)
+        self.pool_boxes: list[tuple[Box, ...]] = []
+        cands = []
+        for k, cls in enumerate(src_classes):
+            ranks = np.asarray(cls.ranks, dtype=np.int64)
+            self.class_of_src[ranks] = k
+            live = ranks[alive_mask[ranks]]
+            self.pools.append(live)
+            self.member[k, live] = True
+            boxes = tuple(p.box for p in cls.holding.pieces)
+            self.pool_boxes.append(boxes)
+            if len(live):
+                cands.extend(_Cand(k, i, b) for i, b in enumerate(boxes))
+        self.index = _Index(cands)
+        self.dst_classes = [(np.asarray(c.ranks, dtype=np.int64), tuple(p.box for p in c.holding.pieces))
+                            for c in D.classes(path, tp_coord)]
+        self._covers: dict = {}
+        self._lb: dict = {}
+
+    # -- covers ------------------------------------------------------------
+    def segments(self, k: int, prefer: int) -> tuple[Segment, ...]:
+        """The segments of target class ``k``'s pieces, preferring pool ``prefer`` (-1: none)."""
+        key = (k, prefer)
+        hit = self._covers.get(key)
+        if hit is None:
+            hit = []
+            for j, box in enumerate(self.dst_classes[k][1]):
+                hit.extend(self._cover(j, box, prefer))
+            hit = self._covers[key] = tuple(hit)
+        return hit
+
+    def _cover(self, j: int, target: Box, prefer: int) -> list[Segment]:
+        """Cover ``target`` with source boxes; memoized by geometry relative to ``target``."""
+        inside = intersect(target, self.extent)
+        near = self.index.overlapping(inside) if inside is not None else []
+        origin = target.offsets
+        key = (target.sizes, _rel(self.extent, origin),
+               tuple((_rel(c.box, origin), c.pool == prefer) for c in near))
+        rel = self._shared.get(key)
+        if rel is None:
+            rel = self._shared[key] = _cover_relative(target, inside, self.extent, near, prefer)
+        return [Segment(typ, Box(tuple(o + d for o, d in zip(origin, off)), sizes), j,
+                        tuple((near[i].pool, near[i].piece, kind) for i, kind in alts))
+                for typ, off, sizes, alts in rel]
+
+    # -- lower bound -----------------------------------------------------------
+    def unheld_volume(self, k: int, prefer: int) -> int:
+        """Elements of target class ``k``'s pieces that pool ``prefer`` does not hold (FILL excluded)."""
+        key = (k, prefer)
+        hit = self._lb.get(key)
+        if hit is None:
+            hit = 0
+            for box in self.dst_classes[k][1]:
+                inside = intersect(box, self.extent)
+                if inside is None:
+                    continue
+                held = (_union_volume(inside, self.pool_boxes[prefer])
+                        if prefer >= 0 and len(self.pools[prefer]) else 0)
+                hit += _volume(inside) - held
+            self._lb[key] = hit
+        return hit
+
+
+def tp_symmetric(S: Sharding, D: Sharding, leaf: TensorLeaf) -> bool:
+    """True if tp rank ``t``'s geometry is tp rank 0's shifted (same tp-local frame)."""
+    split = leaf.layout.split
+    return (split is not None and S.config.tp == D.config.tp > 1
+            and S.physical_shape(leaf) == D.physical_shape(leaf))
+
+
+def tp_shift(leaf_shape: tuple, split, tp: int, offsets: np.ndarray, t: int) -> np.ndarray:
+    """Offsets of tp rank 0's boxes moved to tp rank ``t`` (each part by ``t * chunk``)."""
+    axis = split.axis
+    parts = split.part_lengths(leaf_shape[axis])
+    starts = np.cumsum((0,) + parts[:-1])
+    chunks = np.asarray(parts) // tp
+    part = np.searchsorted(starts, offsets[:, axis], side="right") - 1
+    out = offsets.copy()
+    out[:, axis] += t * chunks[part]
+    return out
+
+
+def _rel(box: Box, origin) -> tuple:
+    return (tuple(o - r for o, r in zip(box.offsets, origin)), box.sizes)
+
+
+def _cover_relative(target: Box, inside: Box | None, extent: Box, near: list, prefer: int):
+    """Segments of ``target`` as ``(type, offsets - target offsets, sizes, ((near index, kind), ...))``."""
+    out = [(FILL, b) for b in (subtract(target, extent) if inside != target else ())]
+    alts_of = {}
+    if inside is not None:
+        hits = [(i, c, b) for i, c in enumerate(near) if (b := intersect(c.box, inside))]
+        if prefer >= 0:
+            hits.sort(key=lambda h: h[1].pool != prefer)
+        remaining = [inside]
+        copies = []
+        for _, cand, hit in hits:
+            if not remaining:
+                break
+            rest = []
+            for box in remaining:
+                seg = intersect(box, hit)
+                if seg is None:
+                    rest.append(box)
+                    continue
+                alts_of[seg] = tuple((i, _kind(seg, c.box, target)) for i, c, b in hits
+                                     if contains(b, seg))
+                copies.append((COPY, seg))
+                rest.extend(subtract(box, seg))
+            remaining = rest
+        copies.sort(key=lambda s: s[1].offsets)
+        out.extend(copies)
+        out.extend((MISSING, b) for b in remaining)
+    origin = target.offsets
+    return tuple((typ, tuple(o - r for o, r in zip(b.offsets, origin)), b.sizes,
+                  alts_of.get(b, ()) if typ == COPY else ()) for typ, b in out)
+
+
+def _kind(seg: Box, src_box: Box, dst_box: Box) -> int:
+    whole_src, whole_dst = seg == src_box, seg == dst_box
+    if whole_src and whole_dst:
+        return KIND_CODE[OpKind.KEEP]
+    if whole_dst:
+        return KIND_CODE[OpKind.SPLIT]
+    if whole_src:
+        return KIND_CODE[OpKind.MERGE]
+    return KIND_CODE[OpKind.REPARTITION]
+
+
+def _union_volume(target: Box, boxes) -> int:
+    """Elements of ``target`` covered by the union of ``boxes``."""
+    remaining, covered = [target], 0
+    for other in boxes:
+        rest = []
+        for box in remaining:
+            inter = intersect(box, other)
+            if inter is None:
+                rest.append(box)
+            else:
+                covered += _volume(inter)
+                rest.extend(subtract(box, inter))
+        remaining = rest
+    return covered
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for s in box.sizes:
+        n *= s
+    return n
