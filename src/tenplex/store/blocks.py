@@ -1,0 +1,100 @@
+"""Checksum blocks and byte runs: which bytes of a shard file a region needs.
+
+Shard files are checksummed in fixed-size blocks (xxh3-128), so a reader
+that needs part of a file verifies exactly the blocks it reads. A region of
+a stored local tensor becomes a set of contiguous byte runs; runs are widened
+to whole blocks and adjacent blocks are coalesced into few requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+__all__ = ["DEFAULT_BLOCK", "BlockHasher", "digest", "box_runs", "needed_blocks", "coalesce"]
+
+DEFAULT_BLOCK = 1 << 20
+"""Checksum block size in bytes (1 MiB)."""
+
+
+def digest(data) -> str:
+    """xxh3-128 hex digest of a bytes-like object."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+class BlockHasher:
+    """Digests of consecutive ``block``-byte blocks of a stream written in pieces."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.digests: list[str] = []
+        self._state = xxhash.xxh3_128()
+        self._filled = 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.block - self._filled)
+            self._state.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.block:
+                self.digests.append(self._state.hexdigest())
+                self._state, self._filled = xxhash.xxh3_128(), 0
+
+    def finish(self) -> list[str]:
+        if self._filled:
+            self.digests.append(self._state.hexdigest())
+            self._state, self._filled = xxhash.xxh3_128(), 0
+        return self.digests
+
+
+def box_runs(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+             base: int) -> tuple[np.ndarray, int]:
+    """Contiguous element runs of the box ``(offsets, sizes)`` in a row-major ``view``.
+
+    Args:
+        view: the shape the box lives in.
+        offsets, sizes: the box, in elements.
+        base: flat element index of ``view``'s first element.
+
+    Returns:
+        ``(starts, length)``: flat element indices of every run (int64, sorted)
+        and the common run length in elements.
+    """
+    ndim = len(view)
+    if ndim == 0:
+        return np.array([base], dtype=np.int64), 1
+    # fold trailing axes that the box covers whole into one run
+    k = ndim - 1
+    length = sizes[k]
+    while k > 0 and offsets[k] == 0 and sizes[k] == view[k]:
+        k -= 1
+        length *= sizes[k]
+    strides = np.cumprod((1,) + tuple(reversed(view[1:])))[::-1]
+    starts = np.array([base + sum(o * s for o, s in zip(offsets, strides))], dtype=np.int64)
+    for axis in range(k - 1, -1, -1):
+        steps = np.arange(sizes[axis], dtype=np.int64) * int(strides[axis])
+        starts = (steps[:, None] + starts[None, :]).reshape(-1)
+    return np.sort(starts), int(length)
+
+
+def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: int) -> np.ndarray:
+    """Indices (ascending) of the ``block``-byte blocks that byte ranges ``[starts, ends)`` touch."""
+    nblocks = -(-file_size // block)
+    if len(starts) == 0 or nblocks == 0:
+        return np.zeros(0, dtype=np.int64)
+    marks = np.zeros(nblocks + 1, dtype=np.int64)
+    np.add.at(marks, starts // block, 1)
+    np.add.at(marks, (ends - 1) // block + 1, -1)
+    return np.nonzero(np.cumsum(marks[:-1]) > 0)[0]
+
+
+def coalesce(blocks: np.ndarray) -> list[tuple[int, int]]:
+    """Runs ``[(first, last + 1), ...]`` of consecutive block indices."""
+    if len(blocks) == 0:
+        return []
+    breaks = np.nonzero(np.diff(blocks) > 1)[0]
+    firsts = np.concatenate(([blocks[0]], blocks[breaks + 1]))
+    lasts = np.concatenate((blocks[breaks], [blocks[-1]]))
+    return list(zip(firsts.tolist(), (lasts + 1).tolist()))

@@ -1,0 +1,169 @@
+"""The store executor: run a Plan whose sources are a checkpoint's shard files.
+
+Leaf by leaf, the ops of every requested target are grouped by the stored
+tensor they read; each stored tensor is fetched once per leaf, as the union
+of the byte runs its ops need (see :meth:`StoreReader.read`), and the ops
+copy their regions into freshly allocated target tensors. Reads of
+different stored tensors run on a thread pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tenplex.errors import PlanError
+from tenplex.ptree.region import Box, relative, to_slices
+from tenplex.ptree.shards import piece_view
+from tenplex.ptree.sharding import Sharding
+from tenplex.ptree.tree import PTree, Scope, torch_dtype
+from tenplex.store.blocks import box_runs
+from tenplex.store.reader import StoreReader
+from tenplex.transform.plan import KIND_CODE, OpKind, Plan
+
+__all__ = ["StorePlanRunner", "target_values"]
+
+_FILL = KIND_CODE[OpKind.FILL]
+
+
+@dataclass
+class _Op:
+    dst: int
+    src: int
+    region: Box
+    src_piece: int
+    dst_piece: int
+
+
+class StorePlanRunner:
+    """Builds target tensors of ``plan`` from the checkpoint behind ``reader``.
+
+    Args:
+        reader: the source checkpoint; ``plan.src`` must be its config.
+        plan: a plan from the stored config.
+        threads: stored tensors fetched at once.
+
+    Attributes:
+        bytes_needed: unique source bytes the ops read (the I/O floor).
+
+    Raises:
+        PlanError: if the plan does not start from the stored config.
+    """
+
+    def __init__(self, reader: StoreReader, plan: Plan, threads: int = 8):
+        if plan.src != reader.config:
+            raise PlanError(f"plan starts from {plan.src}, the store holds {reader.config}")
+        self.reader, self.plan, self.tree = reader, plan, reader.tree
+        self.S = reader.sharding
+        self.D = Sharding(self.tree, plan.dst)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, threads))
+        self.bytes_needed = 0
+        self._lock = threading.Lock()
+        cols = plan.table.cols
+        order = np.lexsort((cols["dst"], cols["path"]))
+        self._order = order
+        self._paths = cols["path"][order]
+        self._index = {p: i for i, p in enumerate(plan.table.paths)}
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+    def _rows(self, path: str, ranks: set[int]) -> list[_Op]:
+        i = self._index.get(path)
+        if i is None:
+            return []
+        lo, hi = np.searchsorted(self._paths, [i, i + 1])
+        table, out = self.plan.table, []
+        for row in self._order[lo:hi].tolist():
+            op = table[row]
+            if op.dst_rank in ranks:
+                out.append(_Op(op.dst_rank, op.src_rank if op.kind is not OpKind.FILL else -1,
+                               op.region, op.src_piece, op.dst_piece))
+        return out
+
+    def leaf(self, path: str, ranks) -> dict[int, torch.Tensor]:
+        """The local tensors of ``path`` for target ``ranks`` (those that hold it)."""
+        leaf = self.tree[path]
+        dtype = torch_dtype(leaf.dtype)
+        out, held = {}, {}
+        for rank in ranks:
+            h = self.D.holding(path, self.plan.dst.coord(rank))
+            if h is not None:
+                held[rank] = h
+                out[rank] = torch.empty(h.shape, dtype=dtype)
+        by_record = defaultdict(list)
+        for op in self._rows(path, set(held)):
+            if op.src < 0:
+                self._view(out[op.dst], held[op.dst].pieces[op.dst_piece], op.region).zero_()
+            else:
+                by_record[self.reader.record(path, op.src)].append(op)
+        jobs = [self.pool.submit(self._read, path, rec, ops, leaf.itemsize)
+                for rec, ops in by_record.items()]
+        for job in jobs:
+            source, ops = job.result()
+            for op in ops:
+                spiece = self.S.holding(path, self.plan.src.coord(op.src)).pieces[op.src_piece]
+                self._view(out[op.dst], held[op.dst].pieces[op.dst_piece], op.region).copy_(
+                    self._view(source, spiece, op.region))
+        return out
+
+    @staticmethod
+    def _view(local: torch.Tensor, piece, region: Box) -> torch.Tensor:
+        return piece_view(local, piece)[to_slices(relative(region, piece.box))]
+
+    def _read(self, path, rec, ops, itemsize):
+        starts, lengths = [], []
+        for op in ops:
+            piece = self.S.holding(path, self.plan.src.coord(op.src)).pieces[op.src_piece]
+            rel = relative(op.region, piece.box)
+            offs = tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets))
+            s, n = box_runs(piece.view, offs, op.region.sizes, piece.offset)
+            starts.append(s * itemsize)
+            lengths.append(np.full(len(s), n * itemsize, dtype=np.int64))
+        s = np.concatenate(starts)
+        e = s + np.concatenate(lengths)
+        needed = _union_bytes(s, e)
+        with self._lock:
+            self.bytes_needed += needed
+        return self.reader.read(rec, s, e), ops
+
+
+def _union_bytes(starts: np.ndarray, ends: np.ndarray) -> int:
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    group = np.cumsum(new) - 1
+    lo = s[new]
+    hi = np.zeros(len(lo), dtype=np.int64)
+    np.maximum.at(hi, group, e)
+    return int((hi - lo).sum())
+
+
+def target_values(tree: PTree, plan: Plan, reader: StoreReader, ranks=None) -> dict:
+    """Stored values of the target config: ``{path: value or {key: value}}``, or per rank.
+
+    With ``ranks`` given, returns ``{rank: {path: value}}`` instead.
+    """
+    per_rank: dict = defaultdict(dict)
+    for op in plan.values:
+        leaf = tree[op.path]
+        value = None
+        if op.src_rank >= 0:
+            value = reader.value(op.path, leaf.key(plan.src, op.src_rank))
+        per_rank[op.dst_rank][op.path] = value
+    if ranks is not None:
+        return {r: per_rank[r] for r in ranks}
+    out: dict = {}
+    for path, leaf in tree.values():
+        if leaf.scope is Scope.GLOBAL:
+            out[path] = per_rank[0][path]
+        else:
+            out[path] = {leaf.key(plan.dst, r): per_rank[r][path] for r in range(plan.dst.world_size)}
+    return out

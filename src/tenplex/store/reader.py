@@ -1,0 +1,185 @@
+"""Read a checkpoint: the manifest, then verified range reads of shard files.
+
+A reader fetches only the byte runs a region needs, widened to whole
+checksum blocks, coalesced into few requests, and verifies each block's
+xxh3-128 digest before any byte is used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from math import prod
+
+import numpy as np
+import torch
+
+from tenplex.errors import CorruptShardError, ManifestError
+from tenplex.ptree.sharding import Sharding
+from tenplex.ptree.tree import torch_dtype
+from tenplex.store.blocks import coalesce, digest, needed_blocks
+from tenplex.store.manifest import MANIFEST, Manifest, TensorRecord
+from tenplex.store.url import StoreRoot, translate_errors
+
+__all__ = ["StoreReader", "open_manifest"]
+
+
+def open_manifest(root: StoreRoot) -> Manifest:
+    """Read and validate ``root``'s manifest.
+
+    Raises:
+        ManifestError: no manifest (not a committed checkpoint) or a bad one.
+    """
+    where = f"{root}/{MANIFEST}"
+    try:
+        with translate_errors(where):
+            data = root.fs.cat_file(root.key(MANIFEST))
+    except FileNotFoundError:
+        leftovers = root.exists("shards")
+        raise ManifestError(
+            f"{where}: no manifest; {root} is not a committed checkpoint"
+            + (" (it holds shards of an incomplete save)" if leftovers else "")) from None
+    return Manifest.loads(data, where)
+
+
+class StoreReader:
+    """A committed checkpoint opened for reading.
+
+    Args:
+        url: the checkpoint's URL.
+        storage_options: fsspec options.
+
+    Attributes:
+        manifest, tree, config: as stored.
+        sharding: the stored layout.
+        bytes_read: bytes fetched from shard files so far (thread-safe).
+
+    Raises:
+        ManifestError: see :func:`open_manifest`.
+    """
+
+    def __init__(self, url: str | StoreRoot, storage_options: dict | None = None):
+        self.root = url if isinstance(url, StoreRoot) else StoreRoot(url, storage_options)
+        self.manifest = open_manifest(self.root)
+        self.tree, self.config = self.manifest.tree, self.manifest.config
+        self.sharding = Sharding(self.tree, self.config)
+        self.bytes_read = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._checked: set[str] = set()
+        self._cache: OrderedDict = OrderedDict()
+        self.cache_blocks = 64
+        self._first_rank: dict[str, dict[int, int]] = {}
+
+    def record(self, path: str, rank: int) -> TensorRecord:
+        """The stored tensor that holds ``path``'s data for ``rank`` (its holder class's record).
+
+        Raises:
+            ManifestError: if the manifest has no such tensor.
+        """
+        firsts = self._first_rank.get(path)
+        if firsts is None:
+            firsts = {r: c.ranks[0] for c in self.sharding.classes(path) for r in c.ranks}
+            self._first_rank[path] = firsts
+        rec = self.manifest.tensors.get((path, firsts.get(rank, -1)))
+        if rec is None:
+            raise ManifestError(f"{self.root}: no stored tensor holds leaf {path} for rank {rank}")
+        return rec
+
+    def check_file(self, key: str) -> None:
+        """Raise CorruptShardError if shard file ``key`` is missing or has the wrong size."""
+        if key in self._checked:
+            return
+        expected = self.manifest.files[key].size
+        try:
+            size = self.root.size(key)
+        except FileNotFoundError:
+            raise CorruptShardError(f"{self.root}/{key}: shard file is missing") from None
+        if size != expected:
+            raise CorruptShardError(f"{self.root}/{key}: shard file is truncated or altered: "
+                                    f"expected {expected} bytes, found {size}")
+        self._checked.add(key)
+
+    def read(self, rec: TensorRecord, starts: np.ndarray | None = None,
+             ends: np.ndarray | None = None) -> torch.Tensor:
+        """``rec``'s local tensor with (at least) the bytes ``[starts[i], ends[i])`` filled.
+
+        Offsets are relative to the tensor's first byte; ``None`` means all of it.
+        Bytes outside the requested runs and their blocks are undefined.
+
+        Raises:
+            CorruptShardError: a missing or truncated file, or a block whose
+                digest differs from the manifest's, naming file, tensor and digests.
+        """
+        self.check_file(rec.file)
+        frec = self.manifest.files[rec.file]
+        if starts is None:
+            starts, ends = np.array([0]), np.array([rec.nbytes])
+        buf = np.empty(rec.nbytes, dtype=np.uint8)
+        if rec.nbytes:
+            blocks = needed_blocks(starts + rec.offset, ends + rec.offset, frec.block, frec.size)
+            self._fill(rec, frec, blocks, buf)
+        tensor = torch.from_numpy(buf).view(torch_dtype(rec.dtype))
+        return tensor.view(rec.shape) if prod(rec.shape) else tensor.reshape(rec.shape)
+
+    def _fill(self, rec, frec, blocks: np.ndarray, buf: np.ndarray) -> None:
+        """Copy ``blocks`` of ``rec.file`` (cached, or fetched and verified) into ``buf``."""
+        found: dict[int, bytes] = {}
+        with self._lock:
+            for b in blocks.tolist():
+                data = self._cache.get((rec.file, b))
+                if data is not None:
+                    self._cache.move_to_end((rec.file, b))
+                    found[b] = data
+        missing = np.array([b for b in blocks.tolist() if b not in found], dtype=np.int64)
+        runs = coalesce(missing)
+        if runs:
+            found.update(self._fetch(rec, frec, runs))
+        lo, hi = rec.offset, rec.offset + rec.nbytes
+        for b, data in found.items():
+            a = b * frec.block
+            s, e = max(a, lo), min(a + len(data), hi)
+            if e > s:
+                buf[s - lo: e - lo] = np.frombuffer(data, dtype=np.uint8, count=e - s, offset=s - a)
+
+    def _fetch(self, rec, frec, runs) -> dict:
+        """Fetch block runs ``[(first, last + 1)]``, one request each, and verify every block."""
+        full = self.root.key(rec.file)
+        starts = [a * frec.block for a, _ in runs]
+        ends = [min(b * frec.block, frec.size) for _, b in runs]
+        with translate_errors(f"{self.root}/{rec.file}"):
+            try:
+                chunks = self.root.fs.cat_ranges([full] * len(runs), starts, ends, on_error="raise")
+            except FileNotFoundError:
+                raise CorruptShardError(f"{self.root}/{rec.file}: shard file is missing") from None
+        out: dict = {}
+        total = 0
+        for (first, last), a, b, data in zip(runs, starts, ends, chunks):
+            if len(data) != b - a:
+                raise CorruptShardError(f"{self.root}/{rec.file}: short read at [{a}, {b}): "
+                                        f"got {len(data)} bytes; the file is truncated")
+            total += len(data)
+            view = memoryview(data)
+            for index in range(first, last):
+                part = view[index * frec.block - a: min((index + 1) * frec.block, b) - a]
+                actual = digest(part)
+                if actual != frec.digests[index]:
+                    raise CorruptShardError(
+                        f"{self.root}/{rec.file}: checksum mismatch in block {index} "
+                        f"(bytes {index * frec.block}..{index * frec.block + len(part)}) holding "
+                        f"tensor {rec.path}: expected xxh3-128 {frec.digests[index]}, found {actual}")
+                out[index] = part
+        with self._lock:
+            self.bytes_read += total
+            self.requests += len(runs)
+            for first, last in runs:  # boundary blocks are likely shared with the next tensor
+                for index in {first, last - 1}:
+                    self._cache[(rec.file, index)] = bytes(out[index])
+            while len(self._cache) > self.cache_blocks:
+                self._cache.popitem(last=False)
+        return out
+
+    def value(self, path: str, key: str):
+        """The stored value of value leaf ``path`` for ``key`` (``""`` for global), or None."""
+        stored = self.manifest.values[path]
+        return stored if key == "" else stored.get(key)

@@ -1,0 +1,73 @@
+"""Store roots: an fsspec URL, keys under it, and backend errors translated at the boundary."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from tenplex.errors import PathError, StoreError
+from tenplex.ptree.tree import check_path
+
+__all__ = ["StoreRoot", "translate_errors"]
+
+
+class StoreRoot:
+    """A directory-like root on any fsspec filesystem (``file://``, ``memory://``, ``s3://``, ...).
+
+    Args:
+        url: the root URL; a bare path means ``file://``.
+        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
+
+    Attributes:
+        fs: the fsspec filesystem.
+        path: the root path within ``fs``.
+        url: the URL as given.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = str(url)
+        try:
+            self.fs, self.path = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except (ValueError, ImportError) as exc:
+            raise StoreError(f"store {self.url}: cannot open: {exc}") from exc
+        self.path = self.path.rstrip("/")
+
+    @property
+    def atomic_rename(self) -> bool:
+        """Whether renaming a file is atomic (local POSIX filesystems)."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    def key(self, key: str) -> str:
+        """The full path of ``key`` under the root.
+
+        Raises:
+            PathError: if ``key`` is absolute or has ``..`` (see :func:`check_path`).
+        """
+        return f"{self.path}/{check_path(key)}"
+
+    def exists(self, key: str) -> bool:
+        with translate_errors(self.url):
+            return self.fs.exists(self.key(key))
+
+    def size(self, key: str) -> int:
+        with translate_errors(self.url):
+            return self.fs.size(self.key(key))
+
+    def __str__(self) -> str:
+        return self.url
+
+
+@contextlib.contextmanager
+def translate_errors(what: str) -> Iterator[None]:
+    """Re-raise backend OS errors (other than tenplex's own) as StoreError naming ``what``."""
+    try:
+        yield
+    except (StoreError, PathError):
+        raise
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StoreError(f"{what}: {exc}") from exc
