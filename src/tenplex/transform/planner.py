@@ -113,13 +113,11 @@ def _gc_paused():
 
 
 def _missing_message(missing: dict) -> str:
-    lines = [f"{len(missing)} leaves have regions that no live source holds:"]
-    for path, boxes in list(missing.items())[:10]:
-        lines.append(f"  {path}: " + ", ".join(str(b) for b in boxes[:4])
-                     + (" ..." if len(boxes) > 4 else ""))
-    if len(missing) > 10:
-        lines.append(f"  ... and {len(missing) - 10} more leaves")
-    return "\n".join(lines)
+    items = [f"{path} {', '.join(str(b) for b in boxes[:2])}{' ...' if len(boxes) > 2 else ''}"
+             for path, boxes in list(missing.items())[:3]]
+    more = f"; and {len(missing) - 3} more leaves" if len(missing) > 3 else ""
+    return (f"{len(missing)} leaves have regions that no live source holds: "
+            + "; ".join(items) + more)
 
 
 def _value_ops(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: set) -> tuple:

@@ -1,0 +1,172 @@
+"""The CLI's commands; each takes parsed arguments and returns an exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+from tqdm import tqdm
+
+from tenplex.cli.formats import TENPLEX, detect, formats
+from tenplex.cli.render import matrix, size, table
+from tenplex.errors import ConfigError
+from tenplex.ptree.sharding import Sharding
+from tenplex.store.reader import StoreReader
+from tenplex.transform.placement import Placement
+from tenplex.transform.planner import make_plan
+
+__all__ = ["reshard", "inspect", "plan", "verify", "example"]
+
+
+def _as_store(path: str, tmp: str) -> tuple[str, str]:
+    """A tenplex store URL for ``path`` (converting a plugin format into ``tmp``) and its format."""
+    fmt = detect(path)
+    if fmt == TENPLEX:
+        return path, fmt
+    formats()[fmt].to_store(path, f"{tmp}/source")
+    return f"{tmp}/source", fmt
+
+
+def reshard(args) -> int:
+    from tenplex.api import reshard as run
+
+    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+        src, src_fmt = _as_store(args.src, tmp)
+        out_fmt = args.format or src_fmt
+        plugins = formats()
+        if out_fmt != TENPLEX and out_fmt not in plugins:
+            raise ConfigError(f"--format {out_fmt}: unknown; expected one of "
+                              f"{', '.join([TENPLEX] + sorted(plugins))}")
+        dst = args.dst if out_fmt == TENPLEX else f"{tmp}/target"
+        bar = tqdm(total=0, unit="B", unit_scale=True, desc="reshard", disable=None, file=sys.stderr)
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        try:
+            report = run(src, dst, args.to, threads=args.threads, progress=progress)
+        finally:
+            bar.close()
+        if out_fmt != TENPLEX:
+            plugins[out_fmt].from_store(dst, args.dst)
+    for line in report.padding:
+        print(f"padding: {line}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"src": str(report.src), "dst": str(report.dst), "format": out_fmt,
+                          "bytes_read": report.bytes_read, "bytes_needed": report.bytes_needed,
+                          "bytes_written": report.bytes_written, "seconds": report.seconds,
+                          "padding": report.padding}))
+    else:
+        print(report.summary())
+    return 0
+
+
+def inspect(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+        url, fmt = _as_store(args.path, tmp)
+        reader = StoreReader(url)
+    tree, config = reader.tree, reader.config
+    sharding = Sharding(tree, config)
+    rows, total = [], 0
+    for path, leaf in tree.leaves.items():
+        if hasattr(leaf, "shape"):
+            n = leaf.itemsize
+            for s in leaf.shape:
+                n *= s
+            total += n
+            rows.append({"path": path, "shape": list(leaf.shape), "dtype": leaf.dtype,
+                         "layout": str(leaf.layout), "bytes": n,
+                         "ranks": len(sharding.ranks_holding(path))})
+        else:
+            rows.append({"path": path, "value": reader.manifest.values.get(path),
+                         "scope": leaf.scope.value})
+    stored = sum(f.size for f in reader.manifest.files.values())
+    if args.json:
+        print(json.dumps({"format": fmt, "config": config.to_json(), "num_layers": tree.num_layers,
+                          "leaves": rows, "logical_bytes": total, "stored_bytes": stored,
+                          "files": len(reader.manifest.files), "meta": reader.manifest.meta}))
+        return 0
+    print(f"{args.path}: {fmt} checkpoint, config {config}, {tree.num_layers} layers")
+    print(table([[r["path"], "x".join(map(str, r["shape"])), r["dtype"], r["layout"], size(r["bytes"])]
+                 for r in rows if "shape" in r], ["path", "shape", "dtype", "layout", "size"]))
+    values = [r for r in rows if "shape" not in r]
+    if values:
+        print(table([[r["path"], r["scope"], json.dumps(r["value"])[:60]] for r in values],
+                    ["value", "scope", "content"]))
+    print(f"total: {len(rows)} leaves, {size(total)} logical, {size(stored)} stored in "
+          f"{len(reader.manifest.files)} files")
+    return 0
+
+
+def plan(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+        url, _ = _as_store(args.path, tmp)
+        reader = StoreReader(url)
+    src, dst = reader.config, args.to
+    p = make_plan(reader.tree, src, dst,
+                  src_placement=Placement.contiguous(src.world_size, args.per_host),
+                  dst_placement=Placement.contiguous(dst.world_size, args.per_host))
+    t = p.totals
+    summary = {"src": str(src), "dst": str(dst), "ops": len(p.ops), "kinds": p.kinds(),
+               "needed": t.needed, "local": t.local, "host": t.host, "network": t.network,
+               "fill": t.fill, "lower_bound": t.lower_bound,
+               "lower_bound_network": t.lower_bound_network, "max_sender": t.max_sender,
+               "padding": [vars(x) if hasattr(x, "__dict__") else
+                           {"path": x.path, "axis": x.axis, "src_padded": x.src_padded,
+                            "dst_padded": x.dst_padded, "logical": x.logical} for x in p.padding],
+               "matrix": [[s, d, n] for (s, d), n in sorted(p.matrix().items())]}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"plan {src} -> {dst}: {len(p.ops)} copy ops "
+          f"(ranks on hosts of {args.per_host} devices, rank r on the same device before and after)")
+    print(table([[k, size(v)] for k, v in sorted(p.kinds().items())], ["op kind", "bytes"]))
+    print(f"kept local      {size(t.local)}")
+    print(f"within a host   {size(t.host)}")
+    print(f"across hosts    {size(t.network)}   (lower bound {size(t.lower_bound_network)})")
+    print(f"moved           {size(t.moved)}   (lower bound {size(t.lower_bound)})")
+    print(f"busiest sender  {size(t.max_sender)}")
+    for x in p.padding:
+        print(f"padding: {x.path} axis {x.axis}: {x.src_padded} -> {x.dst_padded} rows "
+              f"(logical {x.logical}; {x.created} created zero-filled, {x.dropped} dropped)")
+    print(matrix(p.matrix(), src.world_size, dst.world_size))
+    return 0
+
+
+def verify(args) -> int:
+    from tenplex.api import verify as run
+
+    fmt = detect(args.path)
+    if fmt != TENPLEX:
+        with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+            formats()[fmt].to_store(args.path, f"{tmp}/source")
+            result = run(f"{tmp}/source")
+    else:
+        result = run(args.path)
+    print(f"{args.path}: OK ({fmt}): {result['files']} files, {size(result['bytes'])}, "
+          f"{result['tensors']} tensors, every checksum verified")
+    return 0
+
+
+def example(args) -> int:
+    from tenplex.models import GPTSpec, gpt_tree, random_state
+    from tenplex.ptree.shards import materialize
+    from tenplex.store.writer import save
+
+    heads = max(1, args.hidden // 64)
+    spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=heads, query_groups=heads,
+                   ffn=4 * args.hidden, vocab=50257, seq_len=128, dtype="bfloat16",
+                   optimizer="distributed_adam", bucket_numel=1 << 20)
+    tree = gpt_tree(spec)
+    config = args.config
+    state = random_state(tree, config, args.seed)
+    sharding = Sharding(tree, config)
+    shards = {r: materialize(tree, state, config, r, sharding) for r in range(config.world_size)}
+    manifest = save(args.dst, tree, config, shards, meta={"example": {"layers": args.layers,
+                                                                     "hidden": args.hidden}})
+    stored = sum(f.size for f in manifest.files.values())
+    print(f"wrote a GPT-style example ({len(tree)} leaves, {size(stored)}) at {config} to {args.dst}")
+    return 0
