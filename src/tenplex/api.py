@@ -191,14 +191,7 @@ def verify(url: str, *, storage_options: dict | None = None) -> dict:
         for index in range(len(frec.digests)):
             part = memoryview(data)[index * frec.block:(index + 1) * frec.block]
             if digest(part) != frec.digests[index]:
-                from tenplex.errors import CorruptShardError
-                holders = [t.path for t in reader.manifest.tensors.values() if t.file == key
-                           and t.offset < (index + 1) * frec.block
-                           and t.offset + t.nbytes > index * frec.block]
-                raise CorruptShardError(
-                    f"{url}/{key}: checksum mismatch in block {index} holding "
-                    f"{', '.join(holders) or 'the header'}: expected xxh3-128 "
-                    f"{frec.digests[index]}, found {digest(part)}")
+                raise reader.mismatch(key, index, digest(part))
         total += frec.size
     return {"files": len(reader.manifest.files), "bytes": total,
             "tensors": len(reader.manifest.tensors)}

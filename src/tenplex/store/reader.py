@@ -164,10 +164,7 @@ class StoreReader:
                 part = view[index * frec.block - a: min((index + 1) * frec.block, b) - a]
                 actual = digest(part)
                 if actual != frec.digests[index]:
-                    raise CorruptShardError(
-                        f"{self.root}/{rec.file}: checksum mismatch in block {index} "
-                        f"(bytes {index * frec.block}..{index * frec.block + len(part)}) holding "
-                        f"tensor {rec.path}: expected xxh3-128 {frec.digests[index]}, found {actual}")
+                    raise self.mismatch(rec.file, index, actual)
                 out[index] = part
         with self._lock:
             self.bytes_read += total
@@ -178,6 +175,17 @@ class StoreReader:
             while len(self._cache) > self.cache_blocks:
                 self._cache.popitem(last=False)
         return out
+
+    def mismatch(self, key: str, index: int, actual: str) -> CorruptShardError:
+        """The error for block ``index`` of file ``key`` whose digest is ``actual``."""
+        frec = self.manifest.files[key]
+        lo, hi = index * frec.block, min((index + 1) * frec.block, frec.size)
+        holders = [t.path for t in self.manifest.tensors.values()
+                   if t.file == key and t.offset < hi and t.offset + t.nbytes > lo]
+        return CorruptShardError(
+            f"{self.root}/{key}: checksum mismatch in block {index} (bytes {lo}..{hi}) holding "
+            f"{', '.join(holders) if holders else 'the file header'}: "
+            f"expected xxh3-128 {frec.digests[index]}, found {actual}")
 
     def value(self, path: str, key: str):
         """The stored value of value leaf ``path`` for ``key`` (``""`` for global), or None."""

@@ -1,0 +1,69 @@
+"""Store roots for the conformance suite: file://, memory:// and s3:// on a local moto server."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import fsspec
+import pytest
+
+ENDPOINT_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1, started and stopped by the tests."""
+    port = _free_port()
+    env = dict(os.environ, **ENDPOINT_ENV)
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("moto server did not start")
+            time.sleep(0.2)
+    saved = {k: os.environ.get(k) for k in list(ENDPOINT_ENV) + ["FSSPEC_S3_ENDPOINT_URL"]}
+    os.environ.update(ENDPOINT_ENV)
+    os.environ["FSSPEC_S3_ENDPOINT_URL"] = endpoint  # for CLI subprocesses
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
+    fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
+    fs.mkdir("tenplex-test")
+    yield endpoint
+    fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def root(request, tmp_path):
+    """A fresh, empty root URL on each backend."""
+    if request.param == "file":
+        yield f"file://{tmp_path}"
+    elif request.param == "memory":
+        url = f"memory://tenplex-{uuid.uuid4().hex}"
+        yield url
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+    else:
+        request.getfixturevalue("s3_endpoint")
+        yield f"s3://tenplex-test/{uuid.uuid4().hex}"
