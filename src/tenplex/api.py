@@ -112,7 +112,8 @@ def assemble(url: str, *, storage_options: dict | None = None) -> dict[str, Any]
 
 
 def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | None = None,
-            threads: int = 8, progress: Callable[[int, int], None] | None = None) -> ReshardReport:
+            threads: int = 8, progress: Callable[[int, int], None] | None = None,
+            events=None) -> ReshardReport:
     """Convert the checkpoint at ``src`` to config ``to``, written atomically at ``dst``.
 
     Only the needed byte ranges are read (once each), in parallel; output
@@ -125,6 +126,8 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
         storage_options: fsspec options for both URLs.
         threads: stored tensors fetched at once.
         progress: ``progress(done_bytes, total_bytes)`` as data is written.
+        events: the writer's low-level ``events(event, nbytes)`` callback
+            (see :data:`tenplex.store.writer.Progress`).
 
     Returns:
         A :class:`ReshardReport`.
@@ -140,7 +143,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
     plan = make_plan(tree, reader.config, to)
     runner = StorePlanRunner(reader, plan, threads)
     with StoreWriter(dst, tree, to, storage_options=storage_options,
-                     meta=reader.manifest.meta) as writer:
+                     meta=reader.manifest.meta, progress=events) as writer:
         entries = writer.entries()
         storing: dict[str, list[int]] = {}
         for rank, items in entries.items():

@@ -156,8 +156,8 @@ def example(args) -> int:
     from tenplex.ptree.shards import materialize
     from tenplex.store.writer import save
 
-    heads = max(1, args.hidden // 64)
-    spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=heads, query_groups=heads,
+    spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads,
+                   query_groups=args.heads,
                    ffn=4 * args.hidden, vocab=50257, seq_len=128, dtype="bfloat16",
                    optimizer="distributed_adam", bucket_numel=1 << 20)
     tree = gpt_tree(spec)

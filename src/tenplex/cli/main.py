@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="dp=D,tp=T,pp=P")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -1,0 +1,75 @@
+"""The tenplex CLI: round trips through it, output, exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strategies import tree_and_configs
+from tenplex.api import assemble, save
+from tenplex.cli.main import main
+from tenplex.models import random_state
+from tenplex.ptree import materialize
+from tenplex.ptree.shards import bitwise_equal
+
+
+@given(tree_and_configs(), st.integers(0, 2**31))
+@settings(max_examples=25)
+def test_reshard_round_trip_through_the_cli(tmp_path_factory, args, seed):
+    spec, tree, a, b = args
+    tmp = tmp_path_factory.mktemp("cli")
+    state = random_state(tree, a, seed % 1000)
+    save(str(tmp / "src"), tree, a, {r: materialize(tree, state, a, r) for r in range(a.world_size)})
+    assert main(["reshard", str(tmp / "src"), str(tmp / "dst"), "--to", str(b)]) == 0
+    before, after = assemble(str(tmp / "src")), assemble(str(tmp / "dst"))
+    for path, _ in tree.tensors():
+        assert bitwise_equal(before[path], after[path]), path
+    assert main(["verify", str(tmp / "dst")]) == 0
+
+
+def test_commands_and_output(tmp_path, capsys):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    assert main(["example", str(src), "--layers", "2", "--hidden", "64", "--config", "dp=2,tp=2,pp=1"]) == 0
+    assert main(["inspect", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "config dp=2,tp=2,pp=1" in out and "model/layers/1/mlp/fc2/weight" in out and "S(1" in out
+    assert main(["inspect", str(src), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["config"]["tp"] == 2 and info["logical_bytes"] > 0
+    assert main(["plan", str(src), "--to", "dp=1,tp=1,pp=2,stages=1:1"]) == 0
+    out = capsys.readouterr().out
+    assert "lower bound" in out and "src 0" in out and "dst 1" in out
+    assert main(["plan", str(src), "--to", "dp=1,tp=4,pp=1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["needed"] == plan["local"] + plan["host"] + plan["network"]
+    assert main(["reshard", str(src), str(dst), "--to", "dp=1,tp=1,pp=2,stages=1:1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bytes_written"] > 0 and report["bytes_read"] >= report["bytes_needed"]
+    assert main(["verify", str(dst)]) == 0
+    assert "every checksum verified" in capsys.readouterr().out
+
+
+def test_errors_exit_1_with_one_line(tmp_path, capsys):
+    src = tmp_path / "a"
+    main(["example", str(src), "--layers", "2", "--hidden", "64"])
+    capsys.readouterr()
+    assert main(["plan", str(src), "--to", "tp=3"]) == 1
+    err = capsys.readouterr().err
+    assert err == "tenplex plan: tp=3 does not divide num_query_groups=8 (model/layers/0/attention/qkv/weight)\n"
+    assert main(["reshard", str(src), str(src), "--to", "tp=1"]) == 1
+    assert "a committed checkpoint exists" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert "not a checkpoint of any known format" in capsys.readouterr().err
+    assert main(["--debug", "inspect", str(tmp_path / "nothing")]) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2_from_the_console_script(tmp_path):
+    run = lambda *a: subprocess.run(["tenplex", *a], capture_output=True, text=True)
+    assert run("plan", str(tmp_path), "--to", "tp=x").returncode == 2
+    assert run("bogus").returncode == 2
+    done = run("inspect", str(tmp_path / "missing"))
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
