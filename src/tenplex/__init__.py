@@ -12,9 +12,11 @@ from tenplex.errors import (AlreadyExistsError, ConfigError, CorruptShardError, 
 from tenplex.ptree import (Box, Coord, DPShard, FlatBuffer, Layout, Padding, ParallelConfig, PTree,
                            Scope, Sharding, Split, Stage, StageKind, TensorLeaf, ValueLeaf,
                            materialize)
-from tenplex.ptree.shards import assemble as assemble_shards
 from tenplex.transform import (Device, ExecStats, Link, OpKind, Placement, Plan, execute_local,
                                make_plan)
+
+from tenplex.api import ReshardReport, assemble, load, reshard, save, verify
+from tenplex import models
 
 __version__ = "0.1.0"
 
@@ -24,5 +26,6 @@ __all__ = [
     "MissingDataError", "OpKind", "PTree", "Padding", "ParallelConfig", "PathError", "Placement",
     "Plan", "PlanError", "ReplicaMismatchError", "Scope", "ShardError", "Sharding", "Split",
     "Stage", "StageKind", "StoreError", "TenplexError", "TensorLeaf", "TransferError",
-    "ValueLeaf", "assemble_shards", "execute_local", "make_plan", "materialize",
+    "ValueLeaf", "ReshardReport", "assemble", "execute_local", "load", "make_plan", "materialize",
+    "models", "reshard", "save", "verify",
 ]
