@@ -19,12 +19,13 @@ from tenplex.transform.planner import make_plan
 __all__ = ["reshard", "inspect", "plan", "verify", "example"]
 
 
-def _as_store(path: str, tmp: str) -> tuple[str, str]:
+def _as_store(path: str, tmp: str, args=None) -> tuple[str, str]:
     """A tenplex store URL for ``path`` (converting a plugin format into ``tmp``) and its format."""
     fmt = detect(path)
     if fmt == TENPLEX:
         return path, fmt
-    formats()[fmt].to_store(path, f"{tmp}/source")
+    options = {"model_config": getattr(args, "model_config", None)}
+    formats()[fmt].to_store(path, f"{tmp}/source", **options)
     return f"{tmp}/source", fmt
 
 
@@ -32,7 +33,7 @@ def reshard(args) -> int:
     from tenplex.api import reshard as run
 
     with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
-        src, src_fmt = _as_store(args.src, tmp)
+        src, src_fmt = _as_store(args.src, tmp, args)
         out_fmt = args.format or src_fmt
         plugins = formats()
         if out_fmt != TENPLEX and out_fmt not in plugins:
@@ -66,7 +67,7 @@ def reshard(args) -> int:
 
 def inspect(args) -> int:
     with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
-        url, fmt = _as_store(args.path, tmp)
+        url, fmt = _as_store(args.path, tmp, args)
         reader = StoreReader(url)
     tree, config = reader.tree, reader.config
     sharding = Sharding(tree, config)
@@ -103,7 +104,7 @@ def inspect(args) -> int:
 
 def plan(args) -> int:
     with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
-        url, _ = _as_store(args.path, tmp)
+        url, _ = _as_store(args.path, tmp, args)
         reader = StoreReader(url)
     src, dst = reader.config, args.to
     p = make_plan(reader.tree, src, dst,
@@ -139,13 +140,9 @@ def plan(args) -> int:
 def verify(args) -> int:
     from tenplex.api import verify as run
 
-    fmt = detect(args.path)
-    if fmt != TENPLEX:
-        with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
-            formats()[fmt].to_store(args.path, f"{tmp}/source")
-            result = run(f"{tmp}/source")
-    else:
-        result = run(args.path)
+    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+        url, fmt = _as_store(args.path, tmp, args)
+        result = run(url)
     print(f"{args.path}: OK ({fmt}): {result['files']} files, {size(result['bytes'])}, "
           f"{result['tensors']} tensors, every checksum verified")
     return 0

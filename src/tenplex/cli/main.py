@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tenplex", description="Plan and move training state between (dp, tp, pp) configs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--model-config", default=None, metavar="JSON",
+                        help="model config for checkpoints that do not carry one (format plugins)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("reshard", help="convert a checkpoint to another parallel config")

@@ -58,7 +58,9 @@ def materialize(tree: PTree, state: Mapping[str, Any], config: ParallelConfig, r
                 sharding: Sharding | None = None) -> Shards:
     """The local shards of ``rank`` under ``config``.
 
-    Padding elements (beyond the logical shape) are zero-filled.
+    A tensor in ``state`` has the leaf's logical shape (padding elements are
+    then zero-filled) or its padded shape under ``config`` (padding elements
+    are taken from it).
 
     Args:
         tree: the tree spec.
@@ -84,12 +86,12 @@ def materialize(tree: PTree, state: Mapping[str, Any], config: ParallelConfig, r
             out[path] = _value_for(path, leaf, state[path], config, rank)
             continue
         tensor = state[path]
-        _check_global(path, leaf, tensor)
+        _check_global(path, leaf, tensor, sharding.physical_shape(leaf))
         held = sharding.holding(path, coord)
         if held is None:
             continue
         local = torch.zeros(held.shape, dtype=tensor.dtype)
-        logical = Box((0,) * len(leaf.shape), leaf.shape)
+        logical = Box((0,) * len(leaf.shape), tuple(tensor.shape))
         for piece in held.pieces:
             inside = intersect(piece.box, logical)
             if inside is not None:
@@ -99,8 +101,8 @@ def materialize(tree: PTree, state: Mapping[str, Any], config: ParallelConfig, r
     return out
 
 
-def _check_global(path: str, leaf: TensorLeaf, tensor: Any) -> None:
-    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != leaf.shape \
+def _check_global(path: str, leaf: TensorLeaf, tensor: Any, padded: tuple = ()) -> None:
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) not in (leaf.shape, padded) \
             or tensor.dtype != torch_dtype(leaf.dtype):
         found = (f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
                  if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
@@ -118,8 +120,8 @@ def _value_for(path: str, leaf: ValueLeaf, value: Any, config: ParallelConfig, r
 
 
 def assemble(tree: PTree, config: ParallelConfig, shards_by_rank: Mapping[int, Shards],
-             sharding: Sharding | None = None) -> dict[str, Any]:
-    """Global state from every rank's local shards (logical rows only).
+             sharding: Sharding | None = None, padded: bool = False) -> dict[str, Any]:
+    """Global state from every rank's local shards (logical rows only, unless ``padded``).
 
     Replicas are compared bit for bit wherever they overlap.
 
@@ -128,9 +130,11 @@ def assemble(tree: PTree, config: ParallelConfig, shards_by_rank: Mapping[int, S
         config: the config the shards are laid out for.
         shards_by_rank: ``{rank: local shards}`` for every rank of ``config``.
         sharding: a precomputed :class:`Sharding` of ``tree`` under ``config``.
+        padded: return tensors with their padded shapes under ``config``
+            (padding elements as the shards hold them).
 
     Returns:
-        Global state: logical tensors and values.
+        Global state: logical (or padded) tensors and values.
 
     Raises:
         ShardError: if a rank or a leaf is missing, a shard has the wrong
@@ -147,16 +151,17 @@ def assemble(tree: PTree, config: ParallelConfig, shards_by_rank: Mapping[int, S
         if isinstance(leaf, ValueLeaf):
             out[path] = _assemble_value(path, leaf, config, shards_by_rank)
         else:
-            out[path] = _assemble_tensor(path, leaf, sharding, shards_by_rank)
+            shape = sharding.physical_shape(leaf) if padded else leaf.shape
+            out[path] = _assemble_tensor(path, leaf, sharding, shards_by_rank, shape)
     return out
 
 
-def _assemble_tensor(path, leaf, sharding, shards_by_rank) -> torch.Tensor:
+def _assemble_tensor(path, leaf, sharding, shards_by_rank, shape) -> torch.Tensor:
     dtype = torch_dtype(leaf.dtype)
-    result = torch.zeros(leaf.shape, dtype=dtype)
-    written = torch.zeros(leaf.shape, dtype=torch.int16)
-    first_writer = torch.full(leaf.shape, -1, dtype=torch.int32)
-    logical = Box((0,) * len(leaf.shape), leaf.shape)
+    result = torch.zeros(shape, dtype=dtype)
+    written = torch.zeros(shape, dtype=torch.int16)
+    first_writer = torch.full(shape, -1, dtype=torch.int32)
+    logical = Box((0,) * len(shape), tuple(shape))
     for cls in sharding.classes(path):
         for rank in cls.ranks:
             local = shards_by_rank[rank].get(path)

@@ -1,0 +1,164 @@
+"""The Megatron GPT model config tenplex needs, read from Megatron's ``args``.
+
+Megatron-LM stores its command-line ``args`` (an ``argparse.Namespace``) in
+every checkpoint. tenplex reads the fields below from it, or from an
+explicit JSON config when a checkpoint has no args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, fields
+from math import ceil
+from typing import Any, Mapping
+
+from tenplex.errors import ConfigError
+
+__all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args"]
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``
+    (``megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding``)."""
+    multiple = divisible_by * tp
+    return ceil(vocab / multiple) * multiple
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """A Megatron GPT model's shape.
+
+    Attributes:
+        num_layers, hidden_size, ffn_hidden_size, num_attention_heads: as Megatron.
+        num_query_groups: key/value groups (``num_attention_heads`` without GQA).
+        kv_channels: per-head size (default ``hidden_size // num_attention_heads``).
+        swiglu: SwiGLU MLP (fc1 is ``[gate; up]``).
+        vocab_size: the logical (tokenizer) vocabulary size.
+        make_vocab_size_divisible_by: Megatron's padding base.
+        untie_embeddings_and_output_weights: separate output layer.
+        position_embedding_type: ``"learned_absolute"`` or ``"rope"``.
+        max_position_embeddings: rows of the learned position table.
+        add_bias_linear: linear layers have biases.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        params_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    swiglu: bool = False
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = False
+    position_embedding_type: str = "learned_absolute"
+    max_position_embeddings: int = 1024
+    add_bias_linear: bool = True
+    normalization: str = "LayerNorm"
+    params_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.kv_channels is None:
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"MegatronConfig: num_query_groups={self.num_query_groups} does not "
+                              f"divide num_attention_heads={self.num_attention_heads}")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ConfigError(f"MegatronConfig: unknown position_embedding_type "
+                              f"{self.position_embedding_type!r}")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"MegatronConfig: unknown normalization {self.normalization!r}")
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    @classmethod
+    def from_args(cls, args: Any, vocab_size: int | None = None) -> "MegatronConfig":
+        """Read the config from Megatron's ``args`` (a Namespace or a mapping).
+
+        The logical vocabulary size comes from ``vocab_size`` if given, else
+        ``args.vocab_size``; Megatron-LM keeps only the padded size in some
+        versions, and then the padded size is taken as logical.
+
+        Raises:
+            ConfigError: if a required field is missing.
+        """
+        a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+        try:
+            vocab = vocab_size or a.get("vocab_size") or a["padded_vocab_size"]
+            groups = a.get("num_query_groups") if a.get("group_query_attention") or \
+                a.get("num_query_groups") else None
+            dtype = a.get("params_dtype", "float32")
+            return cls(
+                num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
+                num_attention_heads=int(a["num_attention_heads"]), vocab_size=int(vocab),
+                ffn_hidden_size=a.get("ffn_hidden_size"), num_query_groups=groups,
+                kv_channels=a.get("kv_channels"), swiglu=bool(a.get("swiglu", False)),
+                make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by", 128)),
+                untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
+                position_embedding_type=a.get("position_embedding_type", "learned_absolute"),
+                max_position_embeddings=int(a.get("max_position_embeddings") or 1024),
+                add_bias_linear=bool(a.get("add_bias_linear", True)),
+                normalization=a.get("normalization", "LayerNorm"),
+                params_dtype=str(dtype).removeprefix("torch."),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"Megatron args lack {exc.args[0]!r}; pass an explicit model config") from None
+
+    @classmethod
+    def from_json(cls, obj: Mapping | str) -> "MegatronConfig":
+        """From a JSON object (or its text) with the attribute names above."""
+        obj = json.loads(obj) if isinstance(obj, str) else dict(obj)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise ConfigError(f"MegatronConfig: unknown fields {unknown}")
+        return cls(**obj)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def padded_vocab(self, tp: int) -> int:
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+
+def args_to_json(args: Any) -> dict:
+    """Megatron args as JSON-able data (torch dtypes become ``"torch.float32"``, others repr)."""
+    a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    out = {}
+    for k, v in a.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v):
+            out[k] = list(v)
+        else:
+            out[k] = {"__repr__": repr(v)} if not str(v).startswith("torch.") else str(v)
+    return out
+
+
+def json_to_args(obj: Mapping) -> argparse.Namespace:
+    """Inverse of :func:`args_to_json` as far as possible (torch dtypes restored)."""
+    import torch
+
+    values = {}
+    for k, v in obj.items():
+        if isinstance(v, str) and v.startswith("torch.") and hasattr(torch, v[6:]) \
+                and isinstance(getattr(torch, v[6:]), torch.dtype):
+            values[k] = getattr(torch, v[6:])
+        elif isinstance(v, dict) and "__repr__" in v:
+            continue
+        else:
+            values[k] = v
+    return argparse.Namespace(**values)

@@ -1,0 +1,172 @@
+"""Tree and layouts of a Megatron GPT model, and its key names in every format.
+
+One table, :func:`param_specs`, lists the model's parameters in Megatron's
+``named_parameters()`` order (megatron-core's local layer spec), each with:
+
+- its tree path (``model/decoder/layers/3/mlp/linear_fc1/weight``, global layer);
+- its megatron-core key (``decoder.layers.{i}.mlp.linear_fc1.weight``, stage-local
+  layer ``{i}`` in per-rank state dicts);
+- its legacy Megatron-LM key (``language_model.encoder.layers.{i}.mlp.dense_h_to_4h.weight``);
+- its ``dist_checkpointing`` key, layers stacked on a leading axis
+  (``decoder.layers.mlp.linear_fc1.weight``; norms under TE-style names such
+  as ``decoder.layers.self_attention.linear_qkv.layer_norm_weight``);
+- its layout (Megatron's tensor-parallel rules, ``tensor_parallel/layers.py``):
+  fused QKV column-parallel on whole query groups, in Megatron's interleaved
+  per-group order ``[q heads of g; k_g; v_g]``; ``linear_proj`` and
+  ``linear_fc2`` row-parallel; SwiGLU ``linear_fc1`` as two parts
+  ``[gate; up]``; embeddings and output layer vocab-parallel, padded to a
+  multiple of ``make_vocab_size_divisible_by * tp``; norms and row-parallel
+  biases replicated. A tied output layer is the word embedding on the first
+  and last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tenplex.ptree.layout import Layout, Padding, Split, Stage, StageKind
+from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
+
+from tenplex_megatron.config import MegatronConfig
+
+__all__ = ["ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
+           "EXTRA_STATE_LINEARS", "optimizer_path"]
+
+OPTIMIZER_STATES = ("param", "exp_avg", "exp_avg_sq")
+"""Adam state per parameter: fp32 main param, first and second moments."""
+
+VALUES = {
+    "megatron/iteration": ValueLeaf(),
+    "megatron/checkpoint_version": ValueLeaf(),
+    "megatron/args": ValueLeaf(),
+    "megatron/opt_param_scheduler": ValueLeaf(),
+    "megatron/optimizer": ValueLeaf(),
+    "megatron/num_floating_point_operations_so_far": ValueLeaf(),
+    "megatron/rng_state": ValueLeaf(Scope.COORD, ("tp", "pp")),
+}
+"""Value leaves of a Megatron checkpoint (JSON). RNG state is kept per (tp, pp) coordinate."""
+
+EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv",
+                       "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter in every naming scheme (see the module docstring).
+
+    ``layer`` is the global layer index, or ``None`` outside the layers;
+    ``mcore`` and ``legacy`` hold ``{i}`` for the stage-local layer index.
+    """
+
+    path: str
+    mcore: str
+    legacy: tuple[str, ...]
+    dist: str
+    layer: int | None
+    leaf: TensorLeaf
+    no_weight_decay: bool
+
+
+def optimizer_path(state: str, path: str) -> str:
+    """The tree path of Adam ``state`` for parameter ``path``."""
+    return f"optimizer/{state}/{path.removeprefix('model/')}"
+
+
+def param_specs(cfg: MegatronConfig) -> list[ParamSpec]:
+    """Every parameter, in Megatron's ``named_parameters()`` order."""
+    dt, h = cfg.params_dtype, cfg.hidden_size
+    vocab = Layout(Stage(StageKind.FIRST_AND_LAST) if cfg.tied else Stage(StageKind.FIRST),
+                   Split(0, unit="padded_vocab_size"), Padding(0, cfg.make_vocab_size_divisible_by))
+    out = [_spec("embedding.word_embeddings.weight", ("language_model.embedding.word_embeddings.weight",),
+                 None, (cfg.vocab_size, h), dt, vocab, False)]
+    if cfg.position_embedding_type == "learned_absolute":
+        out.append(_spec("embedding.position_embeddings.weight",
+                         ("language_model.embedding.position_embeddings.weight",), None,
+                         (cfg.max_position_embeddings, h), dt, Layout(Stage(StageKind.FIRST)), False))
+    for i in range(cfg.num_layers):
+        out.extend(_layer(cfg, i))
+    last = Layout(Stage(StageKind.LAST))
+    out.extend(_norm(cfg, "decoder.final_layernorm", ("language_model.encoder.final_norm",
+                                                      "language_model.encoder.final_layernorm"),
+                     None, last))
+    if not cfg.tied:
+        out.append(_spec("output_layer.weight", ("language_model.output_layer.weight",), None,
+                         (cfg.vocab_size, h), dt,
+                         Layout(Stage(StageKind.LAST), Split(0, unit="padded_vocab_size"),
+                                Padding(0, cfg.make_vocab_size_divisible_by)), False))
+    return out
+
+
+def _spec(mcore, legacy, layer, shape, dtype, layout, no_wd, dist=None) -> ParamSpec:
+    path = "model/" + mcore.replace("{i}", str(layer)).replace(".", "/")
+    return ParamSpec(path, mcore, tuple(legacy), dist or mcore.replace(".{i}", ""), layer,
+                     TensorLeaf(shape, dtype, Layout(layout.stage if layer is None else
+                                                     Stage.of_layer(layer), layout.split,
+                                                     layout.padding)), no_wd)
+
+
+def _norm(cfg, mcore, legacy, layer, layout, dist=None) -> list[ParamSpec]:
+    names = ["weight"] + (["bias"] if cfg.normalization == "LayerNorm" else [])
+    return [_spec(f"{mcore}.{n}", tuple(f"{l}.{n}" for l in legacy), layer, (cfg.hidden_size,),
+                  cfg.params_dtype, layout, True,
+                  None if dist is None else f"{dist}_{n}") for n in names]
+
+
+def _layer(cfg: MegatronConfig, i: int) -> list[ParamSpec]:
+    dt, h, d = cfg.params_dtype, cfg.hidden_size, cfg.kv_channels
+    rep = Layout()
+    per_group = (cfg.num_attention_heads // cfg.num_query_groups + 2) * d
+    qkv = Layout(split=Split(0, granularity=per_group, unit="num_query_groups"))
+    proj = Layout(split=Split(1, granularity=d, unit="num_attention_heads"))
+    F = cfg.ffn_hidden_size
+    fc1 = Layout(split=Split(0, parts=(F, F) if cfg.swiglu else None, unit="ffn_hidden_size"))
+    fc2 = Layout(split=Split(1, unit="ffn_hidden_size"))
+    L = "language_model.encoder.layers.{i}"
+    D = "decoder.layers.{i}"
+    out = _norm(cfg, f"{D}.input_layernorm", (f"{L}.input_norm", f"{L}.input_layernorm"), i, rep,
+                dist="decoder.layers.self_attention.linear_qkv.layer_norm")
+    out.append(_spec(f"{D}.self_attention.linear_proj.weight", (f"{L}.self_attention.dense.weight",),
+                     i, (h, cfg.num_attention_heads * d), dt, proj, False))
+    if cfg.add_bias_linear:
+        out.append(_spec(f"{D}.self_attention.linear_proj.bias", (f"{L}.self_attention.dense.bias",),
+                         i, (h,), dt, rep, True))
+    out.append(_spec(f"{D}.self_attention.linear_qkv.weight",
+                     (f"{L}.self_attention.query_key_value.weight",), i, (cfg.qkv_rows, h), dt, qkv, False))
+    if cfg.add_bias_linear:
+        out.append(_spec(f"{D}.self_attention.linear_qkv.bias",
+                         (f"{L}.self_attention.query_key_value.bias",), i, (cfg.qkv_rows,), dt, qkv, True))
+    out.extend(_norm(cfg, f"{D}.pre_mlp_layernorm",
+                     (f"{L}.post_attention_norm", f"{L}.post_attention_layernorm"), i, rep,
+                     dist="decoder.layers.mlp.linear_fc1.layer_norm"))
+    rows = 2 * F if cfg.swiglu else F
+    out.append(_spec(f"{D}.mlp.linear_fc1.weight", (f"{L}.mlp.dense_h_to_4h.weight",), i, (rows, h), dt,
+                     fc1, False))
+    if cfg.add_bias_linear:
+        out.append(_spec(f"{D}.mlp.linear_fc1.bias", (f"{L}.mlp.dense_h_to_4h.bias",), i, (rows,), dt,
+                         fc1, True))
+    out.append(_spec(f"{D}.mlp.linear_fc2.weight", (f"{L}.mlp.dense_4h_to_h.weight",), i, (h, F), dt,
+                     fc2, False))
+    if cfg.add_bias_linear:
+        out.append(_spec(f"{D}.mlp.linear_fc2.bias", (f"{L}.mlp.dense_4h_to_h.bias",), i, (h,), dt,
+                         rep, True))
+    return out
+
+
+def megatron_tree(cfg: MegatronConfig, optimizer: bool = False) -> PTree:
+    """The tree of a Megatron GPT model (and, with ``optimizer``, its Adam state).
+
+    Optimizer state (fp32 main params and moments) has its parameter's layout,
+    dense across dp: Megatron's checkpoint formats store it gathered (model
+    space for ``fully_reshardable``, whole flat buffers for ``dp_reshardable``
+    and ``distrib_optim.pt``).
+    """
+    leaves: dict = {}
+    specs = param_specs(cfg)
+    for s in specs:
+        leaves[s.path] = s.leaf
+    if optimizer:
+        for state in OPTIMIZER_STATES:
+            for s in specs:
+                leaves[optimizer_path(state, s.path)] = TensorLeaf(s.leaf.shape, "float32", s.leaf.layout)
+    leaves.update(VALUES)
+    return PTree(leaves, cfg.num_layers)
