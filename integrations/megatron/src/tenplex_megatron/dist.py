@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from tenplex.ptree.shards import assemble, materialize
 
 from tenplex_megatron import rng
 from tenplex_megatron.config import MegatronConfig, args_to_json, json_to_args
+from tenplex_megatron.dcp_safe import SafeReader, read_objects
 from tenplex_megatron.layouts import (EXTRA_STATE_LINEARS, OPTIMIZER_STATES, megatron_tree,
                                       optimizer_path, param_specs)
 from tenplex_megatron.legacy import Loaded
@@ -78,7 +80,7 @@ def read_dist(root: str, model_config: MegatronConfig | None = None) -> Loaded:
         raise ConfigError(f"{root}: common.pt has no args; pass the model config "
                           "(--model-config FILE.json, see docs/megatron.md)")
     cfg = model_config or MegatronConfig.from_args(args)
-    tensors = _load_tensors(root)
+    tensors, objects = _load_tensors(root)
     optim_type = (common.get("optimizer") or {}).get("param_state_sharding_type")
     if optim_type is None and any(k.startswith("optimizer.state.") for k in tensors):
         optim_type = "fully_reshardable"
@@ -93,6 +95,9 @@ def read_dist(root: str, model_config: MegatronConfig | None = None) -> Loaded:
     elif optim_type == "dp_reshardable":
         from tenplex_megatron.flatbuf import read_dp_reshardable
         state.update(read_dp_reshardable(cfg, args, tensors, root))
+        groups = next((v[0]["param_groups"] for k, v in objects.items()
+                       if k.endswith(".optimizer/shard_0_1")), [])
+        common.setdefault("optimizer", {})["optimizer"] = {"param_groups": groups}
     elif optim_type is not None:
         raise ManifestError(f"{root}: optimizer sharding type {optim_type!r} is not supported; "
                             "save with fully_reshardable or dp_reshardable")
@@ -115,13 +120,15 @@ def read_dist(root: str, model_config: MegatronConfig | None = None) -> Loaded:
                                       for r, s in shards.items()}, values, meta)
 
 
-def _load_tensors(root: str) -> dict[str, torch.Tensor]:
-    reader = FileSystemReader(root)
+def _load_tensors(root: str) -> tuple[dict[str, torch.Tensor], dict]:
+    reader = SafeReader(root)
     md = reader.read_metadata()
     out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
            for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+        dcp.load(out, storage_reader=reader, no_dist=True)
+    return out, read_objects(root, md, "optimizer.")
 
 
 def _tp_for(cfg: MegatronConfig, tensors: dict) -> int:
@@ -187,7 +194,8 @@ def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict) -> 
     optim_type = meta.get("optimizer")
     if optim_type == "dp_reshardable":
         from tenplex_megatron.flatbuf import write_dp_reshardable
-        sd.update(write_dp_reshardable(cfg, config, shards, tree))
+        groups = (rng.decode(values.get("megatron/optimizer")) or {}).get("param_groups")
+        sd.update(write_dp_reshardable(cfg, config, shards, tree, groups))
     elif any(p.startswith("optimizer/") for p in tree.leaves):
         optim_type = "fully_reshardable"
         for name in OPTIMIZER_STATES:
@@ -204,7 +212,10 @@ def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict) -> 
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
     os.makedirs(tmp)
     try:
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=_RawBytesPlanner(), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+            dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=_RawBytesPlanner(),
+                     no_dist=True)
         torch.save(_common(values, cfg, config, optim_type, meta), os.path.join(tmp, "common.pt"))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(METADATA_JSON, f)

@@ -152,19 +152,37 @@ def read_legacy(root: str, model_config: MegatronConfig | None = None) -> Loaded
         raise ConfigError(f"{root}: args say tp={args.tensor_model_parallel_size}, "
                           f"pp={args.pipeline_model_parallel_size}; the directories hold tp={tp}, pp={pp}")
     config = ParallelConfig(1, tp, pp)
-    has_optim = "optimizer" in first and "state" in first["optimizer"]
+    dist_opt = {tp_pp: os.path.join(d, "distrib_optim.pt") for tp_pp, d in dirs.items()
+                if os.path.exists(os.path.join(d, "distrib_optim.pt"))}
+    if dist_opt and len(dist_opt) != len(dirs):
+        raise ManifestError(f"{iter_dir}: distrib_optim.pt is in {len(dist_opt)} of {len(dirs)} "
+                            "rank directories")
+    adam = "optimizer" in first and "state" in first["optimizer"]
+    if "optimizer" in first and not adam and not dist_opt:
+        raise ManifestError(f"{iter_dir}: the optimizer's parameter state is missing "
+                            "(no Adam state and no distrib_optim.pt)")
+    has_optim = adam or bool(dist_opt)
     tree = megatron_tree(cfg, optimizer=has_optim)
     tree.validate(config)
+    if dist_opt:
+        from tenplex_megatron.flatbuf import read_distrib_optim
+        loaded = {k: safe_load(v) for k, v in dist_opt.items()}
+        optim_state = read_distrib_optim(cfg, config, loaded, iter_dir)
     shards: dict[int, dict] = {}
     rng_states: dict[str, Any] = {}
     for (t, p), state in files.items():
         where = os.path.join(dirs[(t, p)], "model_optim_rng.pt")
         rank = config.rank(config.coord(0)._replace(tp=t, pp=p))
         shards[rank] = _model_shard(cfg, config, p, _flatten(dict(state["model"])), where)
-        if has_optim:
+        if adam:
             shards[rank].update(_adam_shard(cfg, config, p, state["optimizer"], shards[rank], where))
         if "rng_state" in state:
             rng_states[f"tp={t},pp={p}"] = rng.encode(state["rng_state"])
+    if dist_opt:
+        from tenplex.ptree.shards import materialize
+        sub = type(tree)({q: l for q, l in tree.tensors() if q.startswith("optimizer/")}, tree.num_layers)
+        for rank in shards:
+            shards[rank].update(materialize(sub, optim_state, config, rank))
     values = {
         "megatron/iteration": iteration,
         "megatron/checkpoint_version": first.get("checkpoint_version"),
@@ -175,7 +193,7 @@ def read_legacy(root: str, model_config: MegatronConfig | None = None) -> Loaded
         "megatron/rng_state": rng_states,
     }
     meta = {"megatron": {"format": "legacy", "config": cfg.to_json(),
-                         "optimizer": "adam" if has_optim else None}}
+                         "optimizer": "distrib_optim" if dist_opt else ("adam" if adam else None)}}
     return Loaded(cfg, config, tree, shards, values, meta)
 
 
@@ -230,6 +248,8 @@ def _adam_shard(cfg, config, pp_rank, optim: dict, model_shard: dict, where: str
 def _optimizer_meta(optim: Any) -> Any:
     if not isinstance(optim, dict):
         return None
+    if "optimizer" in optim and "param_groups" not in optim:  # distributed optimizer
+        optim = optim["optimizer"]
     groups = []
     for g in optim.get("param_groups", []):
         g = {k: v for k, v in g.items() if k != "params"}
@@ -239,7 +259,7 @@ def _optimizer_meta(optim: Any) -> Any:
 
 
 def write_legacy(root: str, loaded_for_rank, cfg: MegatronConfig, config: ParallelConfig,
-                 values: dict, tree) -> None:
+                 values: dict, tree, optimizer: str | None = None) -> None:
     """Write a Megatron-LM per-rank checkpoint, atomically.
 
     Args:
@@ -248,6 +268,8 @@ def write_legacy(root: str, loaded_for_rank, cfg: MegatronConfig, config: Parall
         cfg, config: the model and target parallel configs.
         values: the value leaves (``megatron/...``), as a tenplex store keeps them.
         tree: the tree (to know whether optimizer state is present).
+        optimizer: ``"distrib_optim"`` to write the distributed optimizer's
+            ``distrib_optim.pt`` files, else Adam state in ``model_optim_rng.pt``.
 
     Raises:
         AlreadyExistsError: the iteration directory exists.
@@ -264,9 +286,16 @@ def write_legacy(root: str, loaded_for_rank, cfg: MegatronConfig, config: Parall
         for p in range(config.pp):
             for t in range(config.tp):
                 rank = config.rank(config.coord(0)._replace(tp=t, pp=p))
-                state = _rank_state(cfg, config, t, p, loaded_for_rank(rank), values, has_optim)
+                shard = loaded_for_rank(rank)
+                dist_opt = has_optim and optimizer == "distrib_optim"
+                state = _rank_state(cfg, config, t, p, shard, values, has_optim and not dist_opt)
                 d = os.path.join(tmp, _dir_name(t, p, config.pp))
                 os.makedirs(d)
+                if dist_opt:
+                    groups = (rng.decode(values.get("megatron/optimizer")) or {}).get("param_groups")
+                    state["optimizer"] = {"optimizer": {"param_groups": groups or []}}
+                    torch.save(_distrib_optim(cfg, config, p, shard),
+                               os.path.join(d, "distrib_optim.pt"))
                 torch.save(state, os.path.join(d, "model_optim_rng.pt"))
         os.rename(tmp, final)
     except BaseException:
@@ -330,3 +359,20 @@ def _adam_state(cfg, config, p, shard, meta) -> dict:
             index += 1
         groups.append({**g, "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def _distrib_optim(cfg, config, p, shard) -> dict:
+    """``distrib_optim.pt`` content for one (tp, pp) rank: buckets coalesced, unpadded."""
+    from tenplex_megatron.flatbuf import buffer_layout
+
+    layout = buffer_layout(cfg, config, p, config.dp)
+    total = sum(n for _, n, _ in layout)
+    flats = {s: torch.zeros(total, dtype=torch.float32) for s in ("param", "exp_avg", "exp_avg_sq")}
+    offset = 0
+    for entries, unpadded, _ in layout:
+        for spec, start, numel in entries:
+            for name, flat in flats.items():
+                flat[offset + start: offset + start + numel] = shard[optimizer_path(name, spec.path)].reshape(-1)
+        offset += unpadded
+    return {"buckets_coalesced": True,
+            0: {(torch.float32, torch.float32): {**flats, "numel_unpadded": total}}}

@@ -71,10 +71,10 @@ class _Legacy:
 
     @staticmethod
     def from_store(url: str, path: str) -> None:
-        reader, cfg, _ = _store_parts(url)
+        reader, cfg, meta = _store_parts(url)
         config = reader.config
         write_legacy(path, lambda rank: load(url, config, rank), cfg, config,
-                     reader.manifest.values, reader.tree)
+                     reader.manifest.values, reader.tree, meta.get("optimizer"))
 
 
 class _Dist:
