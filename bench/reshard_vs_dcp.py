@@ -37,12 +37,17 @@ is compared with the original global state bit for bit (every leaf); for
 DCP, a few leaves per target rank are compared with
 ``materialize(tree, state, target, rank)``.
 
-Printed per storage and change: wall time, bytes read and written (tenplex:
-its report; DCP and floor: ``rchar``/``wchar`` from ``/proc/self/io``, summed
-over processes), peak RSS (``VmHWM``, reset when the timed section starts;
-max over the working processes; the RSS at the start in brackets), and the ratios tenplex/DCP and tenplex/floor. The last
-line is one JSON object with the worst case over both changes in the tmpfs
-run: ``tenplex_over_dcp``, ``tenplex_over_floor``, ``bytes_read_over_needed``.
+Printed per storage and change: wall time, CPU time (user + system, all
+threads, summed over processes), bytes read and written (tenplex: its report;
+DCP and floor: ``rchar``/``wchar`` from ``/proc/self/io``, summed over
+processes), peak RSS (``VmHWM``, reset when the timed section starts; max over
+the working processes; the RSS at the start in brackets), and the ratios
+tenplex/DCP and tenplex/floor (wall times). The last line is one JSON object
+with the worst case over both changes in the tmpfs run: ``tenplex_over_dcp``,
+``tenplex_over_floor``, ``bytes_read_over_needed``.
+
+Wall times are sensitive to other load on the machine; run it on an otherwise
+idle machine, with ``--repeat 3`` or more (the best run of each path counts).
 
 Usage: python bench/reshard_vs_dcp.py [--gb 1.0] [--skip-disk] [--repeat 1]
 """
@@ -79,7 +84,8 @@ def make_spec(gb: float):
         for hidden in (256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192):
             for layers in range(2, 97, 2):
                 seq = 1024
-                per_layer = 12 * hidden * hidden + 13 * hidden  # qkv, proj, fc1, fc2 (+ biases, norms)
+                # qkv, proj, fc1, fc2 weights, plus biases and norms
+                per_layer = 12 * hidden * hidden + 13 * hidden
                 params = vocab * hidden + seq * hidden + layers * per_layer + 2 * hidden
                 err = abs(math.log(params * BYTES_PER_PARAM / target))
                 # prefer a relative error under 5%, then a GPT-like depth/width, then a big vocab
@@ -95,7 +101,7 @@ def make_spec(gb: float):
 
 
 def check_plain_sharding(tree, configs) -> None:
-    """Raise unless every tp split of ``tree`` is DTensor's even ``Shard(axis)`` under ``configs``."""
+    """Raise unless every tp split of ``tree`` is DTensor's ``Shard(axis)`` under ``configs``."""
     from tenplex.ptree.sharding import Sharding
 
     for cfg in configs:
@@ -107,8 +113,9 @@ def check_plain_sharding(tree, configs) -> None:
             if split is None:
                 continue
             n = leaf.shape[split.axis]
-            assert split.parts is None and n % cfg.tp == 0 and (n // cfg.tp) % split.granularity == 0, \
-                f"{path}: tp split under {cfg} is not DTensor's Shard({split.axis})"
+            exact = (split.parts is None and n % cfg.tp == 0
+                     and (n // cfg.tp) % split.granularity == 0)
+            assert exact, f"{path}: tp split under {cfg} is not DTensor's Shard({split.axis})"
 
 
 def logical_bytes(tree) -> int:
@@ -146,6 +153,12 @@ def peak_rss_mb() -> float:
     """This process's peak RSS (since :func:`reset_peak_rss`), in MB."""
     value = _status_mb("VmHWM")
     return value if value == value else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_s() -> float:
+    """User plus system CPU seconds of this process so far (all threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def io_counters() -> tuple[int, int]:
@@ -217,11 +230,11 @@ def run_tenplex(src: str, dst: str, to: str, queue) -> None:
         cfg = ParallelConfig.parse(to)
         base = reset_peak_rss()
         r0, w0 = io_counters()
-        t0 = time.perf_counter()
+        c0, t0 = cpu_s(), time.perf_counter()
         report = api.reshard(src, dst, cfg)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, cpu_s() - c0
         r1, w1 = io_counters()
-        queue.put({"wall": wall, "seconds": report.seconds, "read": report.bytes_read,
+        queue.put({"wall": wall, "cpu": cpu, "seconds": report.seconds, "read": report.bytes_read,
                    "needed": report.bytes_needed, "written": report.bytes_written,
                    "rchar": r1 - r0, "wchar": w1 - w0, "peak_rss_mb": peak_rss_mb(),
                    "base_rss_mb": base, "summary": report.summary(), "padding": report.padding})
@@ -232,14 +245,14 @@ def run_tenplex(src: str, dst: str, to: str, queue) -> None:
 # -- floor ---------------------------------------------------------------------
 
 def run_floor(src: str, out: str, sizes: list[int], queue) -> None:
-    """Read every source shard file whole, then write files of ``sizes`` bytes from those buffers."""
+    """Read every source shard file whole, then write files of ``sizes`` bytes from the buffers."""
     try:
         import numpy as np
 
         files = sorted(glob.glob(os.path.join(src, "shards", "*")))
         base = reset_peak_rss()
         r0, w0 = io_counters()
-        t0 = time.perf_counter()
+        c0, t0 = cpu_s(), time.perf_counter()
         bufs = []
         for name in files:
             size = os.path.getsize(name)
@@ -266,9 +279,9 @@ def run_floor(src: str, out: str, sizes: list[int], queue) -> None:
                     pos += n
                     if pos == len(src_bytes[i]):
                         i, pos = (i + 1) % len(src_bytes), 0
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, cpu_s() - c0
         r1, w1 = io_counters()
-        queue.put({"wall": wall, "read_s": t_read, "read": sum(len(b) for b in bufs),
+        queue.put({"wall": wall, "cpu": cpu, "read_s": t_read, "read": sum(len(b) for b in bufs),
                    "written": sum(sizes), "rchar": r1 - r0, "wchar": w1 - w0,
                    "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base})
     except BaseException as exc:  # noqa: BLE001
@@ -328,15 +341,16 @@ def dcp_worker(rank: int, mode: str, spec, cfg_text: str, port: int, tenplex_src
         base = reset_peak_rss()
         dist.barrier()
         r0, w0 = io_counters()
-        t0 = time.perf_counter()
+        c0, t0 = cpu_s(), time.perf_counter()
         dcp.load(state, storage_reader=dcp.FileSystemReader(dcp_src))
         t1 = time.perf_counter()
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dst, sync_files=False))
         t2 = time.perf_counter()
         dist.barrier()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), cpu_s()
         r1, w1 = io_counters()
         result = {"rank": rank, "load_s": t1 - t0, "save_s": t2 - t1, "wall": t3 - t0,
+                  "cpu": c3 - c0,
                   "rchar": r1 - r0, "wchar": w1 - w0, "peak_rss_mb": peak_rss_mb(),
                   "base_rss_mb": base}
         if samples:
@@ -367,7 +381,8 @@ def run_dcp(spec, to: str, dcp_src: str, dcp_dst: str, result_dir: str, samples)
         with open(name) as f:
             ranks.append(json.load(f))
     return {"wall": max(r["wall"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
-            "save_s": max(r["save_s"] for r in ranks), "read": sum(r["rchar"] for r in ranks),
+            "save_s": max(r["save_s"] for r in ranks), "cpu": sum(r["cpu"] for r in ranks),
+            "read": sum(r["rchar"] for r in ranks),
             "written": sum(r["wchar"] for r in ranks), "stored": dir_bytes(dcp_dst),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
             "sum_peak_rss_mb": sum(r["peak_rss_mb"] for r in ranks),
@@ -405,7 +420,7 @@ def check_dcp(tree, state, to: str, result_dir: str) -> int:
     for rank in range(cfg.world_size):
         got = torch.load(os.path.join(result_dir, f"sample-{rank}.pt"))
         if len(got) < 2:
-            raise AssertionError(f"DCP check: rank {rank} of {to} has only {len(got)} sampled leaves")
+            raise AssertionError(f"DCP check: rank {rank} of {to} has {len(got)} sampled leaves")
         expected = materialize(tree, state, cfg, rank, sharding)
         for path, tensor in got.items():
             if not bitwise_equal(tensor, expected[path]):
@@ -440,11 +455,11 @@ def run_storage(label: str, root: str, spec, tree, state, repeat: int) -> dict:
         for rep in range(repeat):
             dst = os.path.join(root, f"tenplex-{name}")
             t = in_child(run_tenplex, src, dst, to)
-            sizes = [os.path.getsize(p) for p in sorted(glob.glob(os.path.join(dst, "shards", "*")))]
+            sizes = [os.path.getsize(p) for p in glob.glob(os.path.join(dst, "shards", "*"))]
             if rep == 0:
                 n = check_tenplex(dst, state)
-                print(f"[{label}] {name}: tenplex assemble == original, {n} tensor leaves bit for bit",
-                      flush=True)
+                print(f"[{label}] {name}: tenplex assemble == original, {n} tensor leaves "
+                      "bit for bit", flush=True)
                 gc.collect()
             rm(dst)
             out = os.path.join(root, f"dcp-{name}")
@@ -474,26 +489,26 @@ def run_storage(label: str, root: str, spec, tree, state, repeat: int) -> dict:
 def report(label: str, results: dict) -> dict:
     ratios = {}
     print(f"\n== {label} ==")
-    print(f"{'change':<22} {'path':<8} {'wall s':>7} {'read MB':>9} {'written MB':>10} "
-          f"{'GB/s':>6} {'peak RSS MB (base)':>20}")
+    print(f"{'change':<30} {'path':<8} {'wall s':>7} {'cpu s':>6} {'read MB':>9} "
+          f"{'written MB':>10} {'GB/s':>6} {'peak RSS MB (base)':>19}")
     for name, best in results.items():
-        change = f"{SOURCE}->{CHANGES[name]}".replace("dp=", "").replace("tp=", "").replace("pp=", "")
+        change = f"{SOURCE} -> {CHANGES[name]}".replace(",pp=1", "")
         for key in ("tenplex", "dcp", "floor"):
             r = best[key]
             gbps = (r["read"] + r["written"]) / r["wall"] / 1e9
             rss = f"{r['peak_rss_mb']:.0f} ({r['base_rss_mb']:.0f})"
-            print(f"{change:<22} {key:<8} {r['wall']:>7.2f} {r['read'] / 1e6:>9.1f} "
-                  f"{r['written'] / 1e6:>10.1f} {gbps:>6.2f} {rss:>20}")
+            print(f"{change:<30} {key:<8} {r['wall']:>7.2f} {r['cpu']:>6.2f} "
+                  f"{r['read'] / 1e6:>9.1f} {r['written'] / 1e6:>10.1f} {gbps:>6.2f} {rss:>19}")
         t, d, f = best["tenplex"], best["dcp"], best["floor"]
         ratios[name] = {"tenplex_over_dcp": t["wall"] / d["wall"],
                         "tenplex_over_floor": t["wall"] / f["wall"],
                         "bytes_read_over_needed": t["read"] / t["needed"] if t["needed"] else 1.0}
-        print(f"{'':<22} tenplex: needed {t['needed'] / 1e6:.1f} MB, read/needed "
+        print(f"{'':<30} tenplex: needed {t['needed'] / 1e6:.1f} MB, read/needed "
               f"{ratios[name]['bytes_read_over_needed']:.4f}, rchar {t['rchar'] / 1e6:.1f} MB, "
               f"wchar {t['wchar'] / 1e6:.1f} MB; DCP: load {d['load_s']:.2f} s + save "
               f"{d['save_s']:.2f} s, sum of peak RSS {d['sum_peak_rss_mb']:.0f} MB; "
               f"floor read {f['read_s']:.2f} s")
-        print(f"{'':<22} tenplex/DCP {ratios[name]['tenplex_over_dcp']:.3f}  "
+        print(f"{'':<30} tenplex/DCP {ratios[name]['tenplex_over_dcp']:.3f}  "
               f"tenplex/floor {ratios[name]['tenplex_over_floor']:.3f}")
     return ratios
 
@@ -514,7 +529,8 @@ def main() -> None:
     check_plain_sharding(tree, configs)
     print(f"model: layers={spec.num_layers} hidden={spec.hidden} heads={spec.heads} ffn={spec.ffn} "
           f"vocab={spec.vocab} bf16 + Adam (fp32 exp_avg, exp_avg_sq, main_param); "
-          f"{sum(1 for _ in tree.tensors())} tensor leaves, {logical_bytes(tree) / 1e9:.3f} GB logical",
+          f"{sum(1 for _ in tree.tensors())} tensor leaves, "
+          f"{logical_bytes(tree) / 1e9:.3f} GB logical",
           flush=True)
     state = random_state(tree, configs[0], 0)  # the same seed as save_source's
 
@@ -534,8 +550,8 @@ def main() -> None:
             rm(root)
     tmpfs = all_ratios["tmpfs"]
     print()
-    print(json.dumps({key: round(max(r[key] for r in tmpfs.values()), 4)
-                      for key in ("tenplex_over_dcp", "tenplex_over_floor", "bytes_read_over_needed")}))
+    keys = ("tenplex_over_dcp", "tenplex_over_floor", "bytes_read_over_needed")
+    print(json.dumps({key: round(max(r[key] for r in tmpfs.values()), 4) for key in keys}))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", choices=["none", "legacy", "dist"], default="none")
     p.add_argument("--load-dir", default=None)
     p.add_argument("--no-load-optim", action="store_true")
-    p.add_argument("--save", choices=["none", "legacy", "dist"], default="none")
+    p.add_argument("--save", choices=["none", "legacy", "dist", "both"], default="none",
+                   help="both: legacy under SAVE_DIR/legacy and dist under SAVE_DIR/dist")
+    p.add_argument("--dist-args", choices=["on", "off"], default="on",
+                   help="put args in a dist checkpoint's common.pt, as Megatron-LM does")
+    p.add_argument("--fresh-logits-out", default=None,
+                   help="write the freshly initialized model's logits here, before loading")
     p.add_argument("--save-dir", default=None)
     p.add_argument("--iteration", type=int, default=10)
     p.add_argument("--logits-out", default=None)
@@ -531,6 +536,10 @@ class Worker:
                   "optimizer": self.optimizer.sharded_state_dict(model_sd, metadata=md),
                   "opt_param_scheduler": self.scheduler.state_dict(),
                   "iteration": self.a.iteration}
+        if self.a.dist_args == "on":  # Megatron-LM's generate_state_dict puts these in common.pt
+            sd["args"] = self.megatron_args()
+            sd["checkpoint_version"] = 3.0
+            sd.setdefault("iteration", self.a.iteration)
         dist_checkpointing.save(sd, root, content_metadata=_clean_md(md))
         self.dist.barrier()
         log0(f"TIME save_dist {time.time() - t:.2f}")
@@ -612,6 +621,8 @@ class Worker:
             # (optimizer param_groups, opt_param_scheduler, iteration) come back as
             # extra top-level keys: keep only the model's own keys.
             model_keys = set(self.model.state_dict().keys())
+            for extra in ("args", "checkpoint_version", "iteration"):
+                loaded.pop(extra, None)
             state = {k: v for k, v in loaded.items() if k in model_keys}
             self.model.load_state_dict(state, strict=True)
         self.dist.barrier()
@@ -630,6 +641,8 @@ def _inner_optimizers(opt):
 def main(argv=None) -> int:
     a = parse_args(argv)
     w = Worker(a)
+    if a.fresh_logits_out:
+        w.write_logits(a.fresh_logits_out)
     if a.load == "legacy":
         w.load_legacy(a.load_dir)
     elif a.load == "dist":
@@ -642,6 +655,9 @@ def main(argv=None) -> int:
         w.save_legacy(a.save_dir)
     elif a.save == "dist":
         w.save_dist(a.save_dir)
+    elif a.save == "both":
+        w.save_legacy(os.path.join(a.save_dir, "legacy"))
+        w.save_dist(os.path.join(a.save_dir, "dist"))
     if a.logits_out:
         w.write_logits(a.logits_out)
     log0(f"TIME total {time.time() - _T0:.2f}")

@@ -85,37 +85,55 @@ class MegatronConfig:
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
 
     @classmethod
-    def from_args(cls, args: Any, vocab_size: int | None = None) -> "MegatronConfig":
+    def from_args(cls, args: Any, overrides: Mapping | None = None) -> "MegatronConfig":
         """Read the config from Megatron's ``args`` (a Namespace or a mapping).
 
-        The logical vocabulary size comes from ``vocab_size`` if given, else
-        ``args.vocab_size``; Megatron-LM keeps only the padded size in some
-        versions, and then the padded size is taken as logical.
+        ``overrides`` (attribute names as above) win over ``args``; with no
+        ``args`` at all they must hold a whole config.
 
         Raises:
-            ConfigError: if a required field is missing.
+            ConfigError: if a required field is missing. Megatron-LM's args
+                hold the logical vocabulary size only as ``vocab_size`` (set for
+                the NullTokenizer); otherwise the tokenizer's size must be given
+                as the override ``vocab_size``, because ``padded_vocab_size``
+                depends on tp.
         """
+        overrides = dict(overrides or {})
+        if args is None:
+            return cls.from_json(overrides)
         a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+        if "vocab_size" in overrides:
+            a = {**a, "vocab_size": overrides["vocab_size"]}
+        if not a.get("vocab_size"):
+            raise ConfigError(f"Megatron args have padded_vocab_size={a.get('padded_vocab_size')} "
+                              "but no vocab_size; pass the tokenizer's vocabulary size with "
+                              "--model-config (a JSON file such as {\"vocab_size\": 50257})")
         try:
-            vocab = vocab_size or a.get("vocab_size") or a["padded_vocab_size"]
-            groups = a.get("num_query_groups") if a.get("group_query_attention") or \
-                a.get("num_query_groups") else None
-            dtype = a.get("params_dtype", "float32")
-            return cls(
-                num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
-                num_attention_heads=int(a["num_attention_heads"]), vocab_size=int(vocab),
-                ffn_hidden_size=a.get("ffn_hidden_size"), num_query_groups=groups,
-                kv_channels=a.get("kv_channels"), swiglu=bool(a.get("swiglu", False)),
-                make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by", 128)),
-                untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
-                position_embedding_type=a.get("position_embedding_type", "learned_absolute"),
-                max_position_embeddings=int(a.get("max_position_embeddings") or 1024),
-                add_bias_linear=bool(a.get("add_bias_linear", True)),
-                normalization=a.get("normalization", "LayerNorm"),
-                params_dtype=str(dtype).removeprefix("torch."),
-            )
+            return cls._from_args(a).with_overrides(
+                {k: v for k, v in overrides.items() if k != "vocab_size"})
         except KeyError as exc:
             raise ConfigError(f"Megatron args lack {exc.args[0]!r}; pass an explicit model config") from None
+
+    @classmethod
+    def _from_args(cls, a: dict) -> "MegatronConfig":
+        groups = a.get("num_query_groups") if a.get("group_query_attention") else None
+        return cls(
+            num_layers=int(a["num_layers"]), hidden_size=int(a["hidden_size"]),
+            num_attention_heads=int(a["num_attention_heads"]), vocab_size=int(a["vocab_size"]),
+            ffn_hidden_size=a.get("ffn_hidden_size"), num_query_groups=groups,
+            kv_channels=a.get("kv_channels"), swiglu=bool(a.get("swiglu", False)),
+            make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by", 128)),
+            untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
+            position_embedding_type=a.get("position_embedding_type", "learned_absolute"),
+            max_position_embeddings=int(a.get("max_position_embeddings") or 1024),
+            add_bias_linear=bool(a.get("add_bias_linear", True)),
+            normalization=a.get("normalization", "LayerNorm"),
+            params_dtype=str(a.get("params_dtype", "float32")).removeprefix("torch."),
+        )
+
+    def with_overrides(self, overrides: Mapping | None) -> "MegatronConfig":
+        """This config with the given fields replaced."""
+        return type(self).from_json({**self.to_json(), **dict(overrides or {})}) if overrides else self
 
     @classmethod
     def from_json(cls, obj: Mapping | str) -> "MegatronConfig":

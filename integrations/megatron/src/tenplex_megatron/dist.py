@@ -59,12 +59,12 @@ def is_dist(root: str) -> bool:
         return False
 
 
-def read_dist(root: str, model_config: MegatronConfig | None = None) -> Loaded:
+def read_dist(root: str, model_config: dict | None = None) -> Loaded:
     """Read a megatron-core ``torch_dist`` checkpoint directory.
 
     Args:
         root: the directory.
-        model_config: the model config, if ``common.pt`` has no ``args``.
+        model_config: a model config (JSON fields), whole or overriding ``common.pt``'s ``args``.
 
     Raises:
         ManifestError: not a ``torch_dist`` directory, a file that needs unsafe
@@ -79,7 +79,7 @@ def read_dist(root: str, model_config: MegatronConfig | None = None) -> Loaded:
     if model_config is None and args is None:
         raise ConfigError(f"{root}: common.pt has no args; pass the model config "
                           "(--model-config FILE.json, see docs/megatron.md)")
-    cfg = model_config or MegatronConfig.from_args(args)
+    cfg = MegatronConfig.from_args(args, model_config)
     tensors, objects = _load_tensors(root)
     optim_type = (common.get("optimizer") or {}).get("param_state_sharding_type")
     if optim_type is None and any(k.startswith("optimizer.state.") for k in tensors):

@@ -122,12 +122,12 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def read_legacy(root: str, model_config: MegatronConfig | None = None) -> Loaded:
+def read_legacy(root: str, model_config: dict | None = None) -> Loaded:
     """Read a Megatron-LM per-rank checkpoint.
 
     Args:
         root: the checkpoint root (holding ``latest_checkpointed_iteration.txt``).
-        model_config: the model config, if the files' ``args`` lack it.
+        model_config: a model config (JSON fields), whole or overriding the files' ``args``.
 
     Raises:
         ManifestError: a missing tracker, iteration or ``mp_rank_*`` directory, a
@@ -146,7 +146,7 @@ def read_legacy(root: str, model_config: MegatronConfig | None = None) -> Loaded
     files = {tp_pp: safe_load(os.path.join(d, "model_optim_rng.pt")) for tp_pp, d in dirs.items()}
     first = files[(0, 0)]
     args = first.get("args")
-    cfg = model_config or MegatronConfig.from_args(args)
+    cfg = MegatronConfig.from_args(args, model_config)
     if args is not None and (getattr(args, "tensor_model_parallel_size", tp) != tp
                              or getattr(args, "pipeline_model_parallel_size", pp) != pp):
         raise ConfigError(f"{root}: args say tp={args.tensor_model_parallel_size}, "

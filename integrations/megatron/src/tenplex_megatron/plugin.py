@@ -40,12 +40,13 @@ def to_store(loaded: Loaded, url: str) -> None:
     save(url, loaded.tree, loaded.config, shards_with_values(loaded), meta=loaded.meta)
 
 
-def _model_config(options: dict) -> MegatronConfig | None:
+def _model_config(options: dict) -> dict | None:
+    """The ``--model-config`` JSON file's fields (a whole config, or overrides of the args)."""
     path = options.get("model_config")
     if not path:
         return None
     with open(path) as f:
-        return MegatronConfig.from_json(json.load(f))
+        return json.load(f)
 
 
 def _store_parts(url: str):

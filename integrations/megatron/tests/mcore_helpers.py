@@ -1,0 +1,51 @@
+"""Helpers that run real megatron-core (torchrun, gloo, CPU) for the integration tests."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER = pathlib.Path(__file__).with_name("mcore_worker.py")
+
+MODELS = {
+    # GQA (8 heads, 2 groups) + SwiGLU + rope + untied; vocab 100 needs padding (112 at tp=1, 128 at tp=2, 4)
+    "gqa": ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --ffn 96 --swiglu --position rope "
+            "--untie --vocab 100 --make-vocab-size-divisible-by 16 --seq 8 --dist-args off"),
+    # classic multi-head + GeLU + learned positions + tied embeddings
+    "mha": ("--layers 4 --hidden 64 --heads 8 --ffn 128 --position learned_absolute "
+            "--vocab 100 --make-vocab-size-divisible-by 16 --seq 8"),
+}
+MODEL_JSON = {
+    "gqa": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 2,
+            "ffn_hidden_size": 96, "swiglu": True, "position_embedding_type": "rope",
+            "untie_embeddings_and_output_weights": True, "vocab_size": 100,
+            "make_vocab_size_divisible_by": 16, "add_bias_linear": False, "normalization": "RMSNorm"},
+}
+
+
+def run_worker(tp: int, pp: int, flags: str, *extra: str, dp: int = 1, timeout: int = 300) -> str:
+    """Run the worker under torchrun with tp * pp * dp processes; return its output."""
+    n = tp * pp * dp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(WORKER), "--tp", str(tp), "--pp", str(pp), *flags.split(), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise AssertionError(f"worker failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return done.stdout
+
+
+def tenplex(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["tenplex", *args], capture_output=True, text=True, timeout=300)
+
+
+def losses(output: str) -> list[float]:
+    return [float(line.split()[2]) for line in output.splitlines() if line.startswith("LOSS step=")]
+
+
+def logits(path) -> torch.Tensor:
+    return torch.load(path, weights_only=True)["logits"]
