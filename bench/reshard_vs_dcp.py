@@ -23,7 +23,9 @@ parameter), sized to about ``--gb`` logical bytes. It is saved at
 
 Every path runs once with checkpoints on tmpfs (``/dev/shm``), where software
 cost decides, and once on the working disk (``/tmp``; reads largely come from
-the page cache, writes are not fsynced, so this is not a cold-disk number).
+the page cache, writes are not fsynced, so this is not a cold-disk number;
+``os.sync()`` runs, untimed, before each path so that none is throttled by
+write-back of another's data).
 
 Plain DTensor ``Shard(axis)`` must describe the tensor-parallel layout
 exactly, so the model uses ``swiglu=False`` (no ``[gate; up]`` parts in fc1),
@@ -454,6 +456,7 @@ def run_storage(label: str, root: str, spec, tree, state, repeat: int) -> dict:
         best: dict = {}
         for rep in range(repeat):
             dst = os.path.join(root, f"tenplex-{name}")
+            os.sync()  # each path starts with no dirty pages of the others' writes
             t = in_child(run_tenplex, src, dst, to)
             sizes = [os.path.getsize(p) for p in glob.glob(os.path.join(dst, "shards", "*"))]
             if rep == 0:
@@ -464,6 +467,7 @@ def run_storage(label: str, root: str, spec, tree, state, repeat: int) -> dict:
             rm(dst)
             out = os.path.join(root, f"dcp-{name}")
             res = os.path.join(root, f"dcp-result-{name}")
+            os.sync()
             d = run_dcp(spec, to, dcp_src, out, res, sample_leaves(spec) if rep == 0 else [])
             if rep == 0:
                 n = check_dcp(tree, state, to, res)
@@ -473,6 +477,7 @@ def run_storage(label: str, root: str, spec, tree, state, repeat: int) -> dict:
             rm(out)
             rm(res)
             fdir = os.path.join(root, f"floor-{name}")
+            os.sync()
             f = in_child(run_floor, src, fdir, sizes)
             rm(fdir)
             for key, r in (("tenplex", t), ("dcp", d), ("floor", f)):

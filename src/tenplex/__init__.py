@@ -17,6 +17,7 @@ from tenplex.transform import (Device, ExecStats, Link, OpKind, Placement, Plan,
 
 from tenplex.api import ReshardReport, assemble, load, reshard, save, verify
 from tenplex import models
+from tenplex.elastic import ReconfigureReport, reconfigure, recover, stage
 
 __version__ = "0.1.0"
 
@@ -27,5 +28,5 @@ __all__ = [
     "Plan", "PlanError", "ReplicaMismatchError", "Scope", "ShardError", "Sharding", "Split",
     "Stage", "StageKind", "StoreError", "TenplexError", "TensorLeaf", "TransferError",
     "ValueLeaf", "ReshardReport", "assemble", "execute_local", "load", "make_plan", "materialize",
-    "models", "reshard", "save", "verify",
+    "models", "reshard", "save", "verify", "ReconfigureReport", "reconfigure", "recover", "stage",
 ]

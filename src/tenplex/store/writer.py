@@ -95,13 +95,16 @@ class StoreWriter:
     different threads), then :meth:`commit`. On error, :meth:`abort` removes
     what was written; as a context manager this happens automatically.
 
+    With ``clear=False`` leftovers of an interrupted save are kept: in a
+    distributed save, one process clears before the others write.
+
     Raises:
         AlreadyExistsError: if ``url`` holds a committed checkpoint.
     """
 
     def __init__(self, url: str | StoreRoot, tree: PTree, config: ParallelConfig, *,
                  storage_options: dict | None = None, block: int = DEFAULT_BLOCK,
-                 meta: dict | None = None, progress: Progress | None = None):
+                 meta: dict | None = None, progress: Progress | None = None, clear: bool = True):
         self.root = url if isinstance(url, StoreRoot) else StoreRoot(url, storage_options)
         self.tree, self.config = tree, config
         self.sharding = Sharding(tree, config)
@@ -109,7 +112,8 @@ class StoreWriter:
         if self.root.exists(MANIFEST):
             raise AlreadyExistsError(f"{self.root}: a committed checkpoint exists; "
                                      "save to a new location (tenplex never overwrites in place)")
-        self._clear_leftovers()
+        if clear:  # in a distributed save, only the committing rank clears, before the others write
+            self._clear_leftovers()
         self._entries: dict[int, list[Entry]] = {}
         self._regions: dict = {}
         for path, leaf in tree.tensors():
@@ -148,6 +152,14 @@ class StoreWriter:
                 self._records[f.key] = f.close()
         with self._lock:
             self.bytes_written += n
+
+    def records(self) -> dict[str, FileRecord]:
+        """The shard files this writer has closed: ``{key: FileRecord}``."""
+        return dict(self._records)
+
+    def add_records(self, records: Mapping[str, FileRecord]) -> None:
+        """Add files other processes wrote (a distributed save commits them all at once)."""
+        self._records.update(records)
 
     def commit(self, values: Mapping[str, Any]) -> Manifest:
         """Write the manifest: the checkpoint becomes visible.

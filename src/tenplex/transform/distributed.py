@@ -177,8 +177,9 @@ class _Context:
 def _exchange(ctx: _Context, comm: Comm, sends, recvs, budget: int, stats: DistStats, device) -> None:
     """Move every pair's byte stream in chunked rounds."""
     nbytes = ctx.table.cols["nbytes"]
-    peers = max(1, len(sends) + len(recvs))
-    chunk = max(1 << 16, budget // peers)
+    # both ends of a stream must cut it alike, so the chunk size depends only on shared values;
+    # at most (size - 1) peers each way keeps the bytes in flight within the budget
+    chunk = max(1 << 16, budget // (2 * max(1, comm.size - 1)))
     out_streams = {p: _Stream(rows, nbytes, chunk) for p, rows in sends.items()}
     in_streams = {p: _Stream(rows, nbytes, chunk) for p, rows in recvs.items()}
     rounds = max([s.chunks for s in out_streams.values()] + [s.chunks for s in in_streams.values()] + [0])
