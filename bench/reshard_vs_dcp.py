@@ -17,9 +17,12 @@ parameter), sized to about ``--gb`` logical bytes. It is saved at
    pipeline stage loads only its own tensors) and save them at the target.
    ``FileSystemWriter(sync_files=False)``, because tenplex does not fsync
    either; other DCP settings are defaults.
-3. **floor**: plain file reads of the whole source shard files, then plain
-   writes of as many bytes as tenplex's output files hold (from the buffers
-   just read), in one process.
+3. **floor**: plain file reads of the whole source shard files and plain
+   writes of as many bytes as tenplex's output files hold, in one process,
+   streamed through one reused 16 MiB buffer: the kernel's copy cost alone,
+   with no fresh memory faulted in (large fresh buffers on a machine with
+   transparent huge pages on ``madvise``, as numpy requests, can stall in
+   page compaction and make the "floor" slower than tenplex).
 
 Every path runs once with checkpoints on tmpfs (``/dev/shm``), where software
 cost decides, and once on the working disk (``/tmp``; reads largely come from
@@ -72,6 +75,7 @@ import time
 SOURCE = "dp=2,tp=2,pp=1"
 CHANGES = {"tp4": "dp=1,tp=4,pp=1", "pp2": "dp=2,tp=1,pp=2"}
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight; fp32 exp_avg, exp_avg_sq, main_param
+FLOOR_CHUNK = 16 << 20
 
 
 # -- helpers ------------------------------------------------------------------
@@ -247,44 +251,47 @@ def run_tenplex(src: str, dst: str, to: str, queue) -> None:
 # -- floor ---------------------------------------------------------------------
 
 def run_floor(src: str, out: str, sizes: list[int], queue) -> None:
-    """Read every source shard file whole, then write files of ``sizes`` bytes from the buffers."""
+    """Read every source shard file whole and write files of ``sizes`` bytes, streaming the
+    data read through one reused buffer (so no fresh memory is faulted in)."""
     try:
-        import numpy as np
-
         files = sorted(glob.glob(os.path.join(src, "shards", "*")))
+        buf = memoryview(bytearray(FLOOR_CHUNK))
+        os.makedirs(out, exist_ok=True)
         base = reset_peak_rss()
         r0, w0 = io_counters()
         c0, t0 = cpu_s(), time.perf_counter()
-        bufs = []
+        t_read = 0.0
+        read = written = 0
+        pending = list(enumerate(sizes))
+        handle, left = None, 0
+
+        def emit(data) -> None:
+            nonlocal handle, left, written
+            while len(data) and (pending or left):
+                if not left:
+                    k, left = pending.pop(0)
+                    handle = open(os.path.join(out, f"out-{k:05d}.bin"), "wb", buffering=0)
+                n = handle.write(data[:left])
+                data, left, written = data[n:], left - n, written + n
+                if not left:
+                    handle.close()
+
         for name in files:
-            size = os.path.getsize(name)
-            buf = np.empty(size, dtype=np.uint8)
-            view, got = memoryview(buf), 0
             with open(name, "rb", buffering=0) as f:
-                while got < size:
-                    n = f.readinto(view[got:])
+                while True:
+                    t = time.perf_counter()
+                    n = f.readinto(buf)
+                    t_read += time.perf_counter() - t
                     if not n:
-                        raise OSError(f"{name}: short read")
-                    got += n
-            bufs.append(view)
-        t_read = time.perf_counter() - t0
-        os.makedirs(out, exist_ok=True)
-        src_bytes = [b for b in bufs if len(b)]
-        i = pos = 0
-        for k, size in enumerate(sizes):
-            with open(os.path.join(out, f"out-{k:05d}.bin"), "wb", buffering=0) as f:
-                left = size
-                while left:
-                    chunk = src_bytes[i][pos: pos + min(left, 64 << 20)]
-                    n = f.write(chunk)
-                    left -= n
-                    pos += n
-                    if pos == len(src_bytes[i]):
-                        i, pos = (i + 1) % len(src_bytes), 0
+                        break
+                    read += n
+                    emit(buf[:n])
+        while pending or left:  # outputs larger than the inputs: repeat the last chunk
+            emit(buf)
         wall, cpu = time.perf_counter() - t0, cpu_s() - c0
         r1, w1 = io_counters()
-        queue.put({"wall": wall, "cpu": cpu, "read_s": t_read, "read": sum(len(b) for b in bufs),
-                   "written": sum(sizes), "rchar": r1 - r0, "wchar": w1 - w0,
+        queue.put({"wall": wall, "cpu": cpu, "read_s": t_read, "read": read,
+                   "written": written, "rchar": r1 - r0, "wchar": w1 - w0,
                    "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base})
     except BaseException as exc:  # noqa: BLE001
         queue.put(exc)

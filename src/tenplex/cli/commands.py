@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-import tempfile
+import time
+import uuid
+
+import fsspec
 
 from tqdm import tqdm
 
@@ -16,30 +20,51 @@ from tenplex.store.reader import StoreReader
 from tenplex.transform.placement import Placement
 from tenplex.transform.planner import make_plan
 
-__all__ = ["reshard", "inspect", "plan", "verify", "example"]
+__all__ = ["reshard", "inspect", "plan", "verify", "example", "demo"]
 
 
 def _as_store(path: str, tmp: str, args=None) -> tuple[str, str]:
-    """A tenplex store URL for ``path`` (converting a plugin format into ``tmp``) and its format."""
+    """A tenplex store URL for ``path`` and its format; a plugin format is converted into ``tmp``."""
     fmt = detect(path)
     if fmt == TENPLEX:
         return path, fmt
     options = {"model_config": getattr(args, "model_config", None)}
-    formats()[fmt].to_store(path, f"{tmp}/source", **options)
-    return f"{tmp}/source", fmt
+    formats()[fmt].to_store(path, tmp, **options)
+    return tmp, fmt
+
+
+@contextlib.contextmanager
+def _scratch():
+    """A scratch store root in memory (``memory://``), removed afterwards."""
+    url = f"memory://tenplex-cli-{uuid.uuid4().hex}"
+    try:
+        yield url
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(url.removeprefix("memory://")):
+            fs.rm(url.removeprefix("memory://"), recursive=True)
 
 
 def reshard(args) -> int:
     from tenplex.api import reshard as run
 
-    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
-        src, src_fmt = _as_store(args.src, tmp, args)
+    start = time.perf_counter()
+    plugins = formats()
+    with _scratch() as tmp:
+        src, src_fmt = _as_store(args.src, f"{tmp}/source", args)
         out_fmt = args.format or src_fmt
-        plugins = formats()
         if out_fmt != TENPLEX and out_fmt not in plugins:
             raise ConfigError(f"--format {out_fmt}: unknown; expected one of "
                               f"{', '.join([TENPLEX] + sorted(plugins))}")
-        dst = args.dst if out_fmt == TENPLEX else f"{tmp}/target"
+        if out_fmt != TENPLEX:
+            # the plugin's writer pulls each target rank from the source store through the planner
+            report = plugins[out_fmt].from_store(src, args.dst, to=args.to)
+            summary = {"src": str(StoreReader(src).config), "dst": str(args.to), "format": out_fmt,
+                       "seconds": time.perf_counter() - start, **(report or {})}
+            print(json.dumps(summary) if args.json else
+                  f"resharded {summary['src']} -> {summary['dst']} ({src_fmt} -> {out_fmt}) "
+                  f"in {summary['seconds']:.2f} s")
+            return 0
         bar = tqdm(total=0, unit="B", unit_scale=True, desc="reshard", disable=None, file=sys.stderr)
 
         def progress(done: int, total: int) -> None:
@@ -48,11 +73,9 @@ def reshard(args) -> int:
             bar.refresh()
 
         try:
-            report = run(src, dst, args.to, threads=args.threads, progress=progress)
+            report = run(src, args.dst, args.to, threads=args.threads, progress=progress)
         finally:
             bar.close()
-        if out_fmt != TENPLEX:
-            plugins[out_fmt].from_store(dst, args.dst)
     for line in report.padding:
         print(f"padding: {line}", file=sys.stderr)
     if args.json:
@@ -66,7 +89,7 @@ def reshard(args) -> int:
 
 
 def inspect(args) -> int:
-    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+    with _scratch() as tmp:
         url, fmt = _as_store(args.path, tmp, args)
         reader = StoreReader(url)
     tree, config = reader.tree, reader.config
@@ -103,7 +126,7 @@ def inspect(args) -> int:
 
 
 def plan(args) -> int:
-    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+    with _scratch() as tmp:
         url, _ = _as_store(args.path, tmp, args)
         reader = StoreReader(url)
     src, dst = reader.config, args.to
@@ -140,7 +163,7 @@ def plan(args) -> int:
 def verify(args) -> int:
     from tenplex.api import verify as run
 
-    with tempfile.TemporaryDirectory(prefix="tenplex-") as tmp:
+    with _scratch() as tmp:
         url, fmt = _as_store(args.path, tmp, args)
         result = run(url)
     print(f"{args.path}: OK ({fmt}): {result['files']} files, {size(result['bytes'])}, "
@@ -167,3 +190,13 @@ def example(args) -> int:
     stored = sum(f.size for f in manifest.files.values())
     print(f"wrote a GPT-style example ({len(tree)} leaves, {size(stored)}) at {config} to {args.dst}")
     return 0
+
+
+def demo(args) -> int:
+    try:
+        from tenplex_megatron.demo import main as run
+    except ImportError as exc:
+        raise ConfigError("tenplex demo needs the Megatron integration and megatron-core: "
+                          "pip install --no-deps megatron-core==0.16.1 && "
+                          f"pip install -e integrations/megatron ({exc})") from None
+    return run(parsed=args)

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every checksum and the manifest's consistency")
     p.add_argument("path")
 
+    p = sub.add_parser("demo", help="elastic Megatron GPT training through changing (dp, tp, pp)")
+    try:
+        from tenplex_megatron.demo import build_parser as demo_parser
+        demo_parser(p)
+    except ImportError:  # the Megatron integration is not installed
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+
     p = sub.add_parser("example", help="write a random GPT-style checkpoint to try the tools on")
     p.add_argument("dst")
     p.add_argument("--config", type=_config, default=ParallelConfig(dp=2, tp=2, pp=1),

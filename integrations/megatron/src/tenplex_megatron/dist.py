@@ -168,11 +168,13 @@ def _fully_reshardable(cfg, config, tensors, root) -> dict:
     return out
 
 
-def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict) -> None:
+def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict,
+               config: ParallelConfig | None = None, values: dict | None = None) -> None:
     """Write the tenplex store at ``url`` as a ``torch_dist`` directory at ``path``, atomically.
 
-    Optimizer state is written ``fully_reshardable`` (or ``dp_reshardable`` when
-    the source used it).
+    Each target rank's shards are read from the store through the planner
+    (``tenplex.load(url, config, rank)``). Optimizer state is written
+    ``fully_reshardable`` (or ``dp_reshardable`` when the source used it).
 
     Raises:
         AlreadyExistsError: ``path`` exists.
@@ -181,8 +183,9 @@ def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict) -> 
 
     if os.path.exists(path):
         raise AlreadyExistsError(f"{path} exists; tenplex never overwrites a checkpoint in place")
-    tree, config = reader.tree, reader.config
-    values = reader.manifest.values
+    tree = reader.tree
+    config = config or reader.config
+    values = values if values is not None else reader.manifest.values
     base = {}
     for rank in range(config.world_size):
         c = config.coord(rank)

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from tenplex.api import load, save
+from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import Scope
 from tenplex.store.reader import StoreReader
 
@@ -49,6 +50,30 @@ def _model_config(options: dict) -> dict | None:
         return json.load(f)
 
 
+def _target_values(reader: StoreReader, config: ParallelConfig) -> dict:
+    """The stored values laid out for ``config`` (scoped values by coordinate)."""
+    from tenplex.store.execute import target_values
+    from tenplex.transform.planner import make_plan
+    plan = make_plan(reader.tree, reader.config, config)
+    return target_values(reader.tree, plan, reader)
+
+
+def _padding_report(reader: StoreReader, config: ParallelConfig) -> dict:
+    import sys
+    from tenplex.ptree.sharding import Sharding
+    lines = []
+    src, dst = Sharding(reader.tree, reader.config), Sharding(reader.tree, config)
+    for path, leaf in reader.tree.tensors():
+        pad = leaf.layout.padding
+        if pad is not None and src.physical_shape(leaf) != dst.physical_shape(leaf):
+            a, b = src.physical_shape(leaf)[pad.axis], dst.physical_shape(leaf)[pad.axis]
+            lines.append(f"{path}: axis {pad.axis} padded {a} -> {b} (logical {leaf.shape[pad.axis]}; "
+                         f"{max(0, b - a)} rows zero-filled, {max(0, a - b)} dropped)")
+    for line in lines:
+        print(f"padding: {line}", file=sys.stderr)
+    return {"padding": lines}
+
+
 def _store_parts(url: str):
     reader = StoreReader(url)
     meta = reader.manifest.meta.get("megatron")
@@ -71,11 +96,15 @@ class _Legacy:
         to_store(read_legacy(path, _model_config(options)), url)
 
     @staticmethod
-    def from_store(url: str, path: str) -> None:
+    def from_store(url: str, path: str, to: ParallelConfig | None = None) -> dict:
         reader, cfg, meta = _store_parts(url)
-        config = reader.config
-        write_legacy(path, lambda rank: load(url, config, rank), cfg, config,
-                     reader.manifest.values, reader.tree, meta.get("optimizer"))
+        config = to or reader.config
+        tree = reader.tree
+        tree.validate(config)
+        values = _target_values(reader, config)
+        write_legacy(path, lambda rank: load(url, config, rank), cfg, config, values, tree,
+                     meta.get("optimizer"))
+        return _padding_report(reader, config)
 
 
 class _Dist:
@@ -92,10 +121,13 @@ class _Dist:
         to_store(read_dist(path, _model_config(options)), url)
 
     @staticmethod
-    def from_store(url: str, path: str) -> None:
+    def from_store(url: str, path: str, to: ParallelConfig | None = None) -> dict:
         from tenplex_megatron.dist import write_dist
         reader, cfg, meta = _store_parts(url)
-        write_dist(path, url, reader, cfg, meta)
+        config = to or reader.config
+        reader.tree.validate(config)
+        write_dist(path, url, reader, cfg, meta, config, _target_values(reader, config))
+        return _padding_report(reader, config)
 
 
 LEGACY = _Legacy()

@@ -1,0 +1,520 @@
+"""Live reconfiguration against checkpoint/restart through PyTorch DCP and the network floor.
+
+Four gloo processes on this machine hold a GPT-style state (:class:`tenplex.models.GPTSpec`,
+bf16 weights and Adam with ``optimizer="adam"``: fp32 ``exp_avg``, ``exp_avg_sq`` and
+``main_param`` laid out like their parameter) of about ``--mb`` logical MB, at
+``--src`` (default ``dp=2,tp=2,pp=1``). The same change to ``--dst`` (default
+``dp=1,tp=4,pp=1``) is made three ways, in one run, in the same processes:
+
+1. **live**: ``tenplex.reconfigure(local, tree, src, dst, memory_budget=--budget-mb)``
+   on all four processes; wall time of the slowest process, each starting after a
+   barrier (planning included).
+2. **DCP** (``torch.distributed.checkpoint``) on tmpfs (``/dev/shm``), checkpoint/restart's
+   best case (no process restart, no fsync: ``FileSystemWriter(sync_files=False)``): a
+   timed ``dcp.save`` of every rank's source shards as DTensors with the source
+   placements (mesh ``(pp, dp, tp)`` in Megatron's rank order; each stage uses the
+   ``(dp, tp)`` submesh; ``Replicate()`` on dp, ``Shard(axis)`` or ``Replicate()`` on tp),
+   then a timed ``dcp.load`` into DTensors with the target placements. Both are timed
+   on the slowest process after a barrier; DCP's time is the sum.
+   DTensor's ``Shard(axis)`` must describe the tensor-parallel layout exactly, so the
+   model has ``swiglu=False``, ``query_groups=heads`` and a vocabulary that is a multiple
+   of ``128 * 4`` (padded == logical at tp = 1, 2, 4); this is checked before anything runs.
+3. **floor**: the bytes that must cross processes (the plan's lower bound) divided by
+   the gloo point-to-point bandwidth measured in the same processes: each process
+   sends ``lower_bound / 4`` bytes to the next (a ring), all pairs at once in one
+   ``batch_isend_irecv``; the bandwidth is the bytes of all pairs over the slowest
+   process's time. Also shown, not used in the ratios: the plan's own pair pattern
+   (bytes per ordered pair of processes, from the plan's op table) replayed as one
+   raw message per pair, all at once.
+
+A warm-up at a small size (a tiny tree: reconfigure, DCP save/load, p2p) runs first, so
+that connection set-up and first-call costs are not timed. With ``--repeat N`` each
+path runs N times and the best counts.
+
+Correctness: after the live reconfiguration every process's new tensor shards equal
+``materialize(tree, global_state, dst, rank)`` bit for bit (and the DCP-loaded shards
+too); ``OK`` is printed.
+
+Goals, printed with the ratios: live >= 4x faster than DCP (``live_over_dcp <= 0.25``),
+live within 1.3x the floor (``live_over_floor <= 1.3``), bytes moved equal to the
+planner's lower bound (``moved_over_lower_bound == 1``). The last line is one JSON object
+with those three ratios and the raw seconds and bytes.
+
+``--profile FILE`` runs one more, untimed, live reconfiguration with every rank under
+cProfile, dumps rank 0's stats to FILE (rank r's to ``FILE.rankr``), prints rank 0's top
+functions and a per-rank table of the live path's phases.
+
+Wall times depend on other load on the machine (four processes share its cores);
+run it on an otherwise idle machine, with ``--repeat 3`` for stable numbers.
+
+Usage: python bench/reconfigure.py [--mb 400] [--budget-mb 256] [--repeat 1]
+       [--src dp=2,tp=2,pp=1] [--dst dp=1,tp=4,pp=1] [--profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+WORLD = 4
+SEED = 0
+BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight; fp32 exp_avg, exp_avg_sq, main_param
+
+
+# -- model ---------------------------------------------------------------------
+
+def make_spec(mb: float):
+    """A GPTSpec of about ``mb`` logical MB whose tp layout is plain DTensor sharding at tp <= 4."""
+    from tenplex.models import GPTSpec
+
+    target = mb * 1e6
+    best = None
+    for vocab in (32768, 16384, 8192, 4096, 2048, 1024, 512):
+        for hidden in range(256, 8193, 256):  # heads = hidden / 64, a multiple of 4
+            for layers in range(2, 97, 2):
+                seq = 1024
+                per_layer = 12 * hidden * hidden + 13 * hidden  # qkv, proj, fc1, fc2, biases, norms
+                params = vocab * hidden + seq * hidden + layers * per_layer + 2 * hidden
+                err = abs(math.log(params * BYTES_PER_PARAM / target))
+                shape = abs(math.log(layers / (hidden / 128)))  # GPT-like depth/width
+                key = (err > 0.05, shape if err <= 0.05 else err, -vocab)
+                if best is None or key < best[0]:
+                    best = (key, vocab, hidden, layers)
+    _, vocab, hidden, layers = best
+    heads = hidden // 64
+    return GPTSpec(num_layers=layers, hidden=hidden, heads=heads, query_groups=heads,
+                   ffn=4 * hidden, vocab=vocab, seq_len=1024, swiglu=False, tied=True,
+                   dtype="bfloat16", make_vocab_size_divisible_by=128, optimizer="adam")
+
+
+WARMUP_SPEC = dict(num_layers=2, hidden=256, heads=4, query_groups=4, ffn=1024, vocab=512,
+                   seq_len=64, swiglu=False, tied=True, dtype="bfloat16",
+                   make_vocab_size_divisible_by=128, optimizer="adam")
+
+
+def check_plain_sharding(tree, configs) -> None:
+    """Raise unless every tp split of ``tree`` is DTensor's ``Shard(axis)`` under ``configs``."""
+    from tenplex.ptree.sharding import Sharding
+
+    for cfg in configs:
+        sharding = Sharding(tree, cfg)
+        for path, leaf in tree.tensors():
+            assert leaf.layout.dp_shard is None, path
+            assert sharding.physical_shape(leaf) == leaf.shape, f"{path}: padded under {cfg}"
+            split = leaf.layout.split
+            if split is None:
+                continue
+            n = leaf.shape[split.axis]
+            exact = (split.parts is None and n % cfg.tp == 0
+                     and (n // cfg.tp) % split.granularity == 0)
+            assert exact, f"{path}: tp split under {cfg} is not DTensor's Shard({split.axis})"
+
+
+def logical_bytes(tree) -> int:
+    return sum(math.prod(leaf.shape) * leaf.itemsize for _, leaf in tree.tensors())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- worker helpers ------------------------------------------------------------
+
+def _slowest(seconds: float) -> float:
+    """The largest of every process's ``seconds``."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed(fn):
+    """``fn()`` on every process, started after a barrier; ``(result, slowest seconds)``."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    return out, _slowest(time.perf_counter() - t0)
+
+
+def _exchange(sends, recvs) -> None:
+    import torch.distributed as dist
+
+    ops = [dist.P2POp(dist.isend, t, p) for p, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, p) for p, t in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _ring(nbytes: int, repeat: int) -> float:
+    """Best slowest-process time of a ring exchange: each process sends ``nbytes`` to the next."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send = torch.full((nbytes,), rank + 1, dtype=torch.uint8)
+    recv = torch.empty(nbytes, dtype=torch.uint8)
+    best = math.inf
+    for _ in range(repeat):
+        recv.zero_()
+        _, s = _timed(lambda: _exchange([((rank + 1) % world, send)], [((rank - 1) % world, recv)]))
+        best = min(best, s)
+        assert bool((recv[::4096] == (rank - 1) % world + 1).all()) and recv[-1] == (rank - 1) % world + 1
+    return best
+
+
+def _pattern(matrix, repeat: int) -> float:
+    """Best slowest-process time of sending ``matrix[p][q]`` raw bytes from p to q, all at once."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    sends = [(q, torch.ones(int(n), dtype=torch.uint8)) for q, n in enumerate(matrix[me]) if n and q != me]
+    recvs = [(p, torch.empty(int(row[me]), dtype=torch.uint8)) for p, row in enumerate(matrix)
+             if row[me] and p != me]
+    best = math.inf
+    for _ in range(repeat):
+        _, s = _timed(lambda: _exchange(sends, recvs))
+        best = min(best, s)
+    return best
+
+
+def _pair_matrix(tree, src, dst):
+    """Bytes per ordered pair of processes in the plan ``reconfigure`` makes (default mapping)."""
+    import numpy as np
+
+    from tenplex.transform.placement import Device, Placement
+    from tenplex.transform.plan import KIND_CODE, LINK_CODE, Link, OpKind
+    from tenplex.transform.planner import make_plan
+
+    host = socket.gethostname()
+    plan = make_plan(tree, src, dst,
+                     src_placement=Placement(tuple(Device(host, p) for p in range(src.world_size))),
+                     dst_placement=Placement(tuple(Device(host, p) for p in range(dst.world_size))))
+    c = plan.table.cols
+    cross = ((c["src"] >= 0) & (c["src"] != c["dst"]) & (c["kind"] != KIND_CODE[OpKind.FILL])
+             & (c["link"] != LINK_CODE[Link.STORE]))
+    m = np.zeros((WORLD, WORLD), dtype=np.int64)
+    np.add.at(m, (c["src"][cross], c["dst"][cross]), c["nbytes"][cross])
+    return m.tolist()
+
+
+def _dtensors(tree, cfg, rank, mesh, locals_):
+    """``{path: DTensor}`` over ``mesh`` (the rank's ``(dp, tp)`` stage submesh) for ``locals_``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    out = {}
+    for path, leaf in tree.tensors():
+        if path not in locals_:
+            continue
+        split = leaf.layout.split
+        placements = [Replicate(), Shard(split.axis) if split is not None else Replicate()]
+        stride = tuple(math.prod(leaf.shape[i + 1:]) for i in range(len(leaf.shape)))
+        out[path] = DTensor.from_local(locals_[path], mesh, placements, run_check=False,
+                                       shape=leaf.shape, stride=stride)
+    return out
+
+
+def _stage_mesh(cfg):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert cfg.order == ("tp", "dp", "pp")  # rank = tp + tp_size * (dp + dp_size * pp)
+    mesh = init_device_mesh("cpu", (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return mesh["dp", "tp"]
+
+
+def _dcp(tree, src, dst, rank, local, root: str, tag: str):
+    """Timed DCP save of ``local`` at ``src``, then timed load at ``dst``; the loaded shards."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from tenplex.ptree.sharding import Sharding
+    from tenplex.ptree.tree import torch_dtype
+
+    path = os.path.join(root, tag)
+    src_state = _dtensors(tree, src, rank, _stage_mesh(src), local)
+    held = {}
+    if rank < dst.world_size:
+        sharding, coord = Sharding(tree, dst), dst.coord(rank)
+        for p, leaf in tree.tensors():
+            h = sharding.holding(p, coord)
+            if h is not None:
+                held[p] = torch.empty(h.shape, dtype=torch_dtype(leaf.dtype))
+    dst_state = _dtensors(tree, dst, rank, _stage_mesh(dst), held)
+    _, save_s = _timed(lambda: dcp.save(
+        src_state, storage_writer=dcp.FileSystemWriter(path, sync_files=False)))
+    _, load_s = _timed(lambda: dcp.load(dst_state, storage_reader=dcp.FileSystemReader(path)))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    return held, save_s, load_s
+
+
+def _check(tree, got, expected) -> int:
+    """Raise unless every tensor leaf of ``expected`` is in ``got`` bit for bit; leaves compared."""
+    from tenplex.ptree.shards import bitwise_equal
+    import torch
+
+    n = 0
+    for path, want in expected.items():
+        if not isinstance(want, torch.Tensor):
+            continue
+        if path not in got or not bitwise_equal(got[path], want):
+            raise AssertionError(f"leaf {path} differs")
+        n += 1
+    return n
+
+
+def _profile_path(profile: str, rank: int) -> str:
+    """Rank 0's stats go to ``profile`` itself, the others' to ``profile.rankN``."""
+    return profile if rank == 0 else f"{profile}.rank{rank}"
+
+
+PHASES = [  # (label, file suffix, function name) of the live path, for the per-rank summary
+    ("reconfigure (total)", "tenplex/elastic.py", "reconfigure"),
+    ("make_plan", "transform/planner.py", "make_plan"),
+    ("_placements (host all-gather)", "tenplex/elastic.py", "_placements"),
+    ("allocate targets", "transform/local.py", "allocate"),
+    ("local_op (on-device copies)", "transform/distributed.py", "local_op"),
+    ("_exchange (all rounds)", "transform/distributed.py", "_exchange"),
+    ("  _Stream.pack", "transform/distributed.py", "pack"),
+    ("  _Stream._bytes (.contiguous)", "transform/distributed.py", "_bytes"),
+    ("  TorchComm.exchange (p2p wait)", "transform/comm.py", "exchange"),
+    ("  _Stream.unpack", "transform/distributed.py", "unpack"),
+    ("_values (value all-gather)", "tenplex/elastic.py", "_values"),
+    ("_sum_stats (report all-gather)", "tenplex/elastic.py", "_sum_stats"),
+    ("tensor copy_ (all callers)", "~", "<method 'copy_' of 'torch._C.TensorBase' objects>"),
+    ("tensor contiguous", "~", "<method 'contiguous' of 'torch._C.TensorBase' objects>"),
+]
+
+
+def phase_table(profile: str) -> str:
+    """Cumulative seconds of the live path's phases, per rank, from the dumped cProfile stats."""
+    import pstats
+
+    ranks = [r for r in range(WORLD) if os.path.exists(_profile_path(profile, r))]
+    stats = {r: pstats.Stats(_profile_path(profile, r)).stats for r in ranks}
+    lines = [f"{'phase (cumulative s)':<34}" + "".join(f"{'rank ' + str(r):>9}" for r in ranks)]
+    for label, suffix, name in PHASES:
+        row = f"{label:<34}"
+        for r in ranks:
+            total = sum(v[3] for (f, _, fn), v in stats[r].items()
+                        if fn == name and f.endswith(suffix))
+            row += f"{total:>9.3f}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+# -- worker --------------------------------------------------------------------
+
+def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int, repeat: int,
+           root: str, result: str, profile: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import tenplex
+    from tenplex.models import GPTSpec, gpt_tree, random_state
+    from tenplex.ptree import ParallelConfig
+    from tenplex.ptree.shards import materialize
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=900))
+    try:
+        src, dst = ParallelConfig.parse(src_text), ParallelConfig.parse(dst_text)
+        assert src.world_size <= WORLD and dst.world_size <= WORLD
+
+        # warm-up: a tiny tree through every path (connections, first-call costs)
+        small = gpt_tree(GPTSpec(**WARMUP_SPEC))
+        g = random_state(small, src, SEED)
+        loc = materialize(small, g, src, rank) if rank < src.world_size else None
+        tenplex.reconfigure(loc, small, src, dst, memory_budget=budget)
+        _dcp(small, src, dst, rank, loc or {}, root, "warmup")
+        _ring(1 << 20, 2)
+        del g, loc
+
+        tree = gpt_tree(spec)
+        t0 = time.perf_counter()
+        g = random_state(tree, src, SEED)
+        local = materialize(tree, g, src, rank) if rank < src.world_size else None
+        expected = materialize(tree, g, dst, rank) if rank < dst.world_size else None
+        del g
+        gc.collect()
+        _say(rank, f"state made in {time.perf_counter() - t0:.1f} s")
+
+        # 1. live reconfiguration
+        live, rep, leaves = math.inf, None, 0
+        for i in range(repeat):
+            (out, r), s = _timed(lambda: tenplex.reconfigure(local, tree, src, dst, report=True,
+                                                             memory_budget=budget))
+            if i == 0 and expected is not None:
+                leaves = _check(tree, out, expected)
+            del out
+            gc.collect()
+            live, rep = min(live, s), r
+            _say(rank, f"live run {i + 1}/{repeat}: {s:.3f} s (report.seconds {r.seconds:.3f})")
+
+        # 3. floor: the same bytes over gloo p2p
+        bound = rep.lower_bound
+        ring = _ring(max(1, bound // WORLD), repeat + 1)
+        matrix = _pair_matrix(tree, src, dst)
+        pattern = _pattern(matrix, repeat + 1)
+        ring_bytes = max(1, bound // WORLD) * WORLD
+        _say(rank, f"ring: {ring_bytes / 1e6:.1f} MB in {ring:.3f} s; plan pattern: "
+                   f"{sum(map(sum, matrix)) / 1e6:.1f} MB in {pattern:.3f} s")
+
+        # 2. DCP save at src + load at dst on tmpfs
+        dcp_best, save_best, load_best, dcp_leaves = math.inf, 0.0, 0.0, 0
+        for i in range(repeat):
+            held, save_s, load_s = _dcp(tree, src, dst, rank, local or {}, root, f"run{i}")
+            if i == 0 and expected is not None:
+                dcp_leaves = _check(tree, held, expected)
+            del held
+            gc.collect()
+            if save_s + load_s < dcp_best:
+                dcp_best, save_best, load_best = save_s + load_s, save_s, load_s
+            _say(rank, f"DCP run {i + 1}/{repeat}: save {save_s:.3f} s + load {load_s:.3f} s")
+
+        if profile:
+            import cProfile
+            prof = cProfile.Profile()
+            dist.barrier()
+            prof.enable()
+            t0 = time.perf_counter()
+            out = tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
+            t1 = time.perf_counter() - t0
+            prof.disable()
+            prof.dump_stats(_profile_path(profile, rank))
+            _say(rank, f"profiled run (every rank under cProfile): {_slowest(t1):.3f} s")
+            del out
+
+        counts = torch.tensor([leaves, dcp_leaves], dtype=torch.int64)
+        dist.all_reduce(counts)
+        checked = counts.tolist()
+        if rank == 0:
+            with open(result, "w") as f:
+                json.dump({"live_s": live, "report_seconds": rep.seconds, "sent": rep.sent,
+                           "local": rep.local, "planned_moved": rep.planned_moved,
+                           "lower_bound": rep.lower_bound, "ring_s": ring, "ring_bytes": ring_bytes,
+                           "pattern_s": pattern, "pattern_bytes": int(sum(map(sum, matrix))),
+                           "matrix": matrix, "dcp_s": dcp_best, "dcp_save_s": save_best,
+                           "dcp_load_s": load_best, "live_leaves_checked": checked[0],
+                           "dcp_leaves_checked": checked[1]}, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- driver --------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=400, help="logical state size in MB")
+    parser.add_argument("--budget-mb", type=float, default=256,
+                        help="the executor's memory_budget (transfer buffers per process), MB")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per path; the best counts")
+    parser.add_argument("--src", default="dp=2,tp=2,pp=1")
+    parser.add_argument("--dst", default="dp=1,tp=4,pp=1")
+    parser.add_argument("--profile", default="", help="cProfile one extra live run of rank 0 to FILE")
+    args = parser.parse_args()
+
+    import torch.multiprocessing as tmp
+
+    from tenplex.models import gpt_tree
+    from tenplex.ptree import ParallelConfig
+
+    spec = make_spec(args.mb)
+    tree = gpt_tree(spec)
+    src, dst = ParallelConfig.parse(args.src), ParallelConfig.parse(args.dst)
+    check_plain_sharding(tree, [src, dst])
+    size = logical_bytes(tree)
+    print(f"model: layers={spec.num_layers} hidden={spec.hidden} heads={spec.heads} "
+          f"ffn={spec.ffn} vocab={spec.vocab} bf16 + Adam (fp32 exp_avg, exp_avg_sq, main_param); "
+          f"{sum(1 for _ in tree.tensors())} tensor leaves, {size / 1e6:.1f} MB logical", flush=True)
+    print(f"change: {src} -> {dst}, {WORLD} gloo processes, memory_budget {args.budget_mb:g} MB, "
+          f"DCP on /dev/shm", flush=True)
+
+    root = tempfile.mkdtemp(prefix="tenplex-reconf-", dir="/dev/shm")
+    result = os.path.join(root, "result.json")
+    budget = int(args.budget_mb * (1 << 20))
+    try:
+        tmp.spawn(worker, args=(free_port(), spec, args.src, args.dst, budget, max(1, args.repeat),
+                                root, result, args.profile),
+                  nprocs=WORLD, join=True, start_method="spawn")
+        with open(result) as f:
+            r = json.load(f)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    bw = r["ring_bytes"] / r["ring_s"]
+    floor = r["lower_bound"] / bw
+    pattern_bw = r["pattern_bytes"] / r["pattern_s"] if r["pattern_s"] else float("nan")
+    live_over_dcp = r["live_s"] / r["dcp_s"]
+    live_over_floor = r["live_s"] / floor
+    moved = r["sent"] / r["lower_bound"] if r["lower_bound"] else 1.0
+
+    print()
+    print(f"OK: live reconfiguration: {r['live_leaves_checked']} tensor shards == materialize "
+          f"bit for bit; DCP load: {r['dcp_leaves_checked']} tensor shards == materialize bit for bit")
+    print(f"bytes: sent {r['sent'] / 1e6:.1f} MB, kept local {r['local'] / 1e6:.1f} MB, "
+          f"planned moved {r['planned_moved'] / 1e6:.1f} MB, lower bound {r['lower_bound'] / 1e6:.1f} MB")
+    print("bytes per pair (row: sender, column: receiver), MB: "
+          + "; ".join(" ".join(f"{x / 1e6:.1f}" for x in row) for row in r["matrix"]))
+    print(f"gloo p2p ring: {r['ring_bytes'] / 1e6:.1f} MB in {r['ring_s']:.3f} s = {bw / 1e9:.3f} GB/s "
+          f"(all pairs together); plan pattern replayed raw: {r['pattern_bytes'] / 1e6:.1f} MB "
+          f"in {r['pattern_s']:.3f} s = {pattern_bw / 1e9:.3f} GB/s")
+    print(f"{'path':<8} {'seconds':>8}")
+    print(f"{'live':<8} {r['live_s']:>8.3f}   (report.seconds {r['report_seconds']:.3f})")
+    print(f"{'DCP':<8} {r['dcp_s']:>8.3f}   (save {r['dcp_save_s']:.3f} + load {r['dcp_load_s']:.3f})")
+    print(f"{'floor':<8} {floor:>8.3f}   (lower bound / ring bandwidth; raw plan pattern "
+          f"{r['pattern_s']:.3f})")
+    goals = [("live_over_dcp", live_over_dcp, "<= 0.25", live_over_dcp <= 0.25),
+             ("live_over_floor", live_over_floor, "<= 1.3", live_over_floor <= 1.3),
+             ("moved_over_lower_bound", moved, "== 1", r["sent"] == r["lower_bound"])]
+    for name, value, goal, met in goals:
+        print(f"{name:<24} {value:>7.3f}  goal {goal:<8} {'met' if met else 'NOT met'}")
+
+    if args.profile:
+        import pstats
+        print(f"\nprofile of rank 0 (one extra live run) in {args.profile}:")
+        stats = pstats.Stats(args.profile)
+        stats.sort_stats("tottime").print_stats(20)
+        stats.sort_stats("cumulative").print_stats(25)
+        print(f"per-rank phases (stats of rank r > 0 in {args.profile}.rankN):")
+        print(phase_table(args.profile))
+
+    print(json.dumps({
+        "live_over_dcp": round(live_over_dcp, 4),
+        "live_over_floor": round(live_over_floor, 4),
+        "moved_over_lower_bound": round(moved, 4),
+        "live_s": round(r["live_s"], 4), "dcp_s": round(r["dcp_s"], 4),
+        "dcp_save_s": round(r["dcp_save_s"], 4), "dcp_load_s": round(r["dcp_load_s"], 4),
+        "floor_s": round(floor, 4), "pattern_s": round(r["pattern_s"], 4),
+        "p2p_gbps": round(bw / 1e9, 4), "state_bytes": size, "sent_bytes": r["sent"],
+        "lower_bound_bytes": r["lower_bound"], "planned_moved_bytes": r["planned_moved"],
+    }))
+
+
+if __name__ == "__main__":
+    main()
