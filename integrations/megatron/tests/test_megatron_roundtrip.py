@@ -46,3 +46,41 @@ def test_impossible_target_is_refused_with_no_output(sources, model_config_file,
     done = tenplex("reshard", str(source / "legacy"), str(tmp_path / "pp3"), "--to", "pp=3")
     assert done.returncode == 1 and "pp=3 does not divide num_layers=4" in done.stderr
     assert not (tmp_path / "pp3").exists()
+
+
+def test_missing_rank_directory_is_reported(sources, model_config_file, tmp_path):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(sources("gqa", 2, 1) / "legacy", broken)
+    shutil.rmtree(broken / "iter_0000010" / "mp_rank_01")
+    done = tenplex("reshard", str(broken), str(tmp_path / "out"), "--to", "tp=1")
+    assert done.returncode == 1
+    assert "mp_rank_01 is missing (expected tp=2 x pp=1 rank directories)" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_legacy_megatron_lm_names_are_read(sources, tmp_path):
+    """Rename a real checkpoint's keys to Megatron-LM's legacy model names; it reshards the same."""
+    import shutil
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex_megatron.config import MegatronConfig
+    from tenplex_megatron.legacy import rank_keys
+
+    source = sources("mha", 2, 1)
+    legacy = tmp_path / "legacy-names"
+    shutil.copytree(source / "legacy", legacy)
+    for t in range(2):
+        path = legacy / "iter_0000010" / f"mp_rank_{t:02d}" / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        cfg = MegatronConfig.from_args(state["args"])
+        renamed = {}
+        for keys in rank_keys(cfg, ParallelConfig(tp=2), 0).values():
+            renamed[keys[1]] = state["model"][keys[0]]
+        assert any(k.startswith("language_model.encoder.layers.0.self_attention.query_key_value") for k in renamed)
+        state["model"] = renamed
+        torch.save(state, path)
+    done = tenplex("reshard", str(legacy), str(tmp_path / "out"), "--to", "dp=1,tp=1,pp=2")
+    assert done.returncode == 0, done.stderr
+    run_worker(1, 2, MODELS["mha"], "--load", "legacy", "--load-dir", str(tmp_path / "out"),
+               "--logits-out", str(tmp_path / "got.pt"))
+    assert (logits(source / "ref.pt") - logits(tmp_path / "got.pt")).abs().max().item() <= 1e-6

@@ -88,10 +88,15 @@ def reshard(args) -> int:
     return 0
 
 
-def inspect(args) -> int:
+def _open(path: str, args) -> tuple[StoreReader, str]:
+    """The manifest of the checkpoint at ``path`` (any format) and its format name."""
     with _scratch() as tmp:
-        url, fmt = _as_store(args.path, tmp, args)
-        reader = StoreReader(url)
+        url, fmt = _as_store(path, tmp, args)
+        return StoreReader(url), fmt
+
+
+def inspect(args) -> int:
+    reader, fmt = _open(args.path, args)
     tree, config = reader.tree, reader.config
     sharding = Sharding(tree, config)
     rows, total = [], 0
@@ -126,9 +131,7 @@ def inspect(args) -> int:
 
 
 def plan(args) -> int:
-    with _scratch() as tmp:
-        url, _ = _as_store(args.path, tmp, args)
-        reader = StoreReader(url)
+    reader, _ = _open(args.path, args)
     src, dst = reader.config, args.to
     p = make_plan(reader.tree, src, dst,
                   src_placement=Placement.contiguous(src.world_size, args.per_host),

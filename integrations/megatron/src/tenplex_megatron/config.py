@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 from tenplex.errors import ConfigError
 
-__all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args"]
+__all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args", "stage_layers",
+           "uneven_args"]
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -180,3 +181,46 @@ def json_to_args(obj: Mapping) -> argparse.Namespace:
         else:
             values[k] = v
     return argparse.Namespace(**values)
+
+
+def stage_layers(args: Any, num_layers: int, pp: int) -> tuple[int, ...] | None:
+    """Layers per pipeline stage from Megatron's uneven-pipeline args, or None for an even split.
+
+    Megatron-LM allows the first and the last stage their own layer counts
+    (``decoder_first_pipeline_num_layers``, ``decoder_last_pipeline_num_layers``);
+    the other stages share the rest evenly.
+
+    Raises:
+        ConfigError: if the rest does not split evenly over the middle stages.
+    """
+    a = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    first, last = a.get("decoder_first_pipeline_num_layers"), a.get("decoder_last_pipeline_num_layers")
+    if pp == 1 or (first is None and last is None):
+        return None
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if middle < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        raise ConfigError(f"uneven pipeline: first={first}, last={last} layers leave {rest} layers "
+                          f"for {middle} middle stages of pp={pp}")
+    even = rest // middle if middle else 0
+    layers = [even] * pp
+    if first is not None:
+        layers[0] = first
+    if last is not None:
+        layers[-1] = last
+    return tuple(layers)
+
+
+def uneven_args(layers: tuple[int, ...] | None) -> dict:
+    """Megatron-LM args for ``layers`` per stage.
+
+    Raises:
+        ConfigError: if only the first and last stages cannot express it.
+    """
+    if layers is None or len(set(layers)) == 1:
+        return {"decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None}
+    middle = layers[1:-1]
+    if len(set(middle)) > 1:
+        raise ConfigError(f"Megatron-LM allows uneven first and last stages only; {list(layers)} "
+                          "has uneven middle stages")
+    return {"decoder_first_pipeline_num_layers": layers[0], "decoder_last_pipeline_num_layers": layers[-1]}

@@ -38,7 +38,8 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import assemble, materialize
 
 from tenplex_megatron import rng
-from tenplex_megatron.config import MegatronConfig, args_to_json, json_to_args
+from tenplex_megatron.config import (MegatronConfig, args_to_json, json_to_args, stage_layers,
+                                     uneven_args)
 from tenplex_megatron.dcp_safe import SafeReader, read_objects
 from tenplex_megatron.layouts import (EXTRA_STATE_LINEARS, OPTIMIZER_STATES, megatron_tree,
                                       optimizer_path, param_specs)
@@ -86,7 +87,7 @@ def read_dist(root: str, model_config: dict | None = None) -> Loaded:
         optim_type = "fully_reshardable"
     tp = getattr(args, "tensor_model_parallel_size", None) or _tp_for(cfg, tensors)
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    config = ParallelConfig(1, tp, pp)
+    config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
     tree = megatron_tree(cfg, optimizer=optim_type is not None)
     tree.validate(config)
     state = _model_state(cfg, config, tensors, root)
@@ -273,6 +274,7 @@ def _common(values: dict, cfg, config, optim_type, meta) -> dict:
         args = json_to_args(values["megatron/args"])
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = config.tp, config.pp
         args.padded_vocab_size = cfg.padded_vocab(config.tp)
+        vars(args).update(uneven_args(config.stage_layers))
         args.data_parallel_size = config.dp
         common["args"] = args
     return common

@@ -28,7 +28,8 @@ import torch
 from tenplex.errors import AlreadyExistsError, ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 
-from tenplex_megatron.config import MegatronConfig, args_to_json, json_to_args
+from tenplex_megatron.config import (MegatronConfig, args_to_json, json_to_args, stage_layers,
+                                     uneven_args)
 from tenplex_megatron.layouts import (EXTRA_STATE_LINEARS, megatron_tree, optimizer_path,
                                       param_specs)
 from tenplex_megatron import rng
@@ -151,7 +152,7 @@ def read_legacy(root: str, model_config: dict | None = None) -> Loaded:
                              or getattr(args, "pipeline_model_parallel_size", pp) != pp):
         raise ConfigError(f"{root}: args say tp={args.tensor_model_parallel_size}, "
                           f"pp={args.pipeline_model_parallel_size}; the directories hold tp={tp}, pp={pp}")
-    config = ParallelConfig(1, tp, pp)
+    config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
     dist_opt = {tp_pp: os.path.join(d, "distrib_optim.pt") for tp_pp, d in dirs.items()
                 if os.path.exists(os.path.join(d, "distrib_optim.pt"))}
     if dist_opt and len(dist_opt) != len(dirs):
@@ -322,6 +323,7 @@ def _rank_state(cfg, config, t, p, shard: dict, values: dict, has_optim: bool) -
     args = json_to_args(values.get("megatron/args") or {})
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = config.tp, config.pp
     args.padded_vocab_size = cfg.padded_vocab(config.tp)
+    vars(args).update(uneven_args(config.stage_layers))
     args.world_size = config.world_size
     args.data_parallel_size = config.dp
     state: dict = {"args": args, "checkpoint_version": values.get("megatron/checkpoint_version") or 3.0,
