@@ -25,11 +25,14 @@ run:
 Correctness: the source worker writes the model's logits on a fixed batch
 right after saving; the worker at ``tp=1,pp=2`` loads tenplex's DST with
 megatron-core's ``dist_checkpointing.load`` and writes its logits; the max
-absolute difference must be <= 1e-6. The megatron-core worker also writes its
-logits after its own load + save (not counted in its times), and tenplex's
-logits are compared with those too (the same target config, so they should
-agree exactly; tp=2 and tp=1 sum in different orders, which is all the
-difference to the source should be).
+absolute difference is printed against 1e-6. The megatron-core worker also
+writes its logits after its own load + save (not counted in its times), and
+tenplex's logits are compared with those too: the same weights at the same
+config, so they must agree exactly. tp=2 and tp=1 sum the row-parallel
+matmuls in different orders, so at ~1 GB (hidden 1024) both megatron-core's
+own reshard and tenplex's differ from the source logits by a few 1e-6.
+``ok`` (exit status 0) means: tenplex's logits equal megatron-core's exactly,
+and tenplex's difference to the source is within max(1e-6, megatron-core's).
 
 Checkpoints go to ``/dev/shm`` when it has room (tmpfs: software cost
 decides), otherwise to a temporary directory; they are removed at the end
@@ -210,6 +213,7 @@ def profile(src: str, dst: str, out: str, top: int = 30) -> None:
     stats = pstats.Stats(out)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_callers(12)
 
 
 def main() -> None:
@@ -261,6 +265,7 @@ def main() -> None:
         diff = max_abs_diff(logits_src, logits_dst)
         diff_mc = max_abs_diff(logits_mc, logits_dst)
         diff_mc_src = max_abs_diff(logits_src, logits_mc)
+        ok = diff_mc == 0.0 and diff <= max(TOL, diff_mc_src)
 
         best_mc = min(range(args.repeat), key=lambda j: mc_calls[j])
         tenplex_s, megatron_s = min(tp_walls), mc_calls[best_mc]
@@ -276,9 +281,9 @@ def main() -> None:
         print(f"tenplex / megatron: {tenplex_s / megatron_s:.2f} "
               f"(without tenplex start-up {no_startup / megatron_s:.2f})")
         print(f"check: tenplex output loaded by megatron-core at tp=1,pp=2; logits max |diff| vs source "
-              f"= {diff:.3g} ({'OK' if diff <= TOL else 'FAIL'}, tol {TOL:g}); "
+              f"= {diff:.3g} ({'within' if diff <= TOL else 'OVER'} {TOL:g}); "
               f"vs megatron-core's own tp=1,pp=2 output {diff_mc:.3g} "
-              f"(megatron's output vs source {diff_mc_src:.3g})")
+              f"(megatron's output vs source {diff_mc_src:.3g}): {'OK' if ok else 'FAIL'}")
 
         if args.profile:
             profile(src, f"{root}/tenplex_profile", f"{root}/tenplex_reshard.prof")
@@ -296,12 +301,12 @@ def main() -> None:
             "megatron_worker_wall_s": round(min(mc_walls), 3),
             "src_bytes": src_bytes, "tenplex_dst_bytes": dst_bytes, "megatron_dst_bytes": dst2_bytes,
             "params": m["params"], "max_abs_diff": diff, "max_abs_diff_vs_megatron_output": diff_mc,
-            "ok": diff <= TOL,
+            "max_abs_diff_megatron_vs_source": diff_mc_src, "ok": ok,
         }
         if args.keep:
             print(f"kept {root}")
         print(json.dumps(result))
-        if diff > TOL:
+        if not ok:
             sys.exit(1)
     finally:
         if not args.keep:
