@@ -77,9 +77,20 @@ def _comm(group, comm: Comm | None, device) -> Comm:
     return TorchComm(group, device) if dist.is_initialized() else LocalComm()
 
 
-def _placements(comm: Comm, src_of, dst_of, src: ParallelConfig, dst: ParallelConfig):
-    hosts = [b.decode() for b in comm.all_gather_bytes(socket.gethostname().encode())]
-    device = {p: Device(hosts[p], p) for p in range(comm.size)}
+def _gather(comm: Comm, tree: PTree, local_state, my_src) -> list[dict]:
+    """One all-gather: every process's host name, old rank and value leaves (JSON)."""
+    values = {}
+    if local_state is not None:
+        values = {path: local_state.get(path) for path, _ in tree.values()}
+    try:
+        blob = json.dumps({"host": socket.gethostname(), "src": my_src, "values": values}).encode()
+    except (TypeError, ValueError) as exc:
+        raise ShardError(f"value leaves must be JSON-serializable to move between processes: {exc}") from exc
+    return [json.loads(b) for b in comm.all_gather_bytes(blob)]
+
+
+def _placements(hosts: list[str], src_of, dst_of, src: ParallelConfig, dst: ParallelConfig):
+    device = {p: Device(hosts[p], p) for p in range(len(hosts))}
     spare = [Device(f"gone-{r}", r) for r in range(src.world_size)]
     src_dev = [spare[r] for r in range(src.world_size)]
     dst_dev: list = [None] * dst.world_size
@@ -135,7 +146,8 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
     dst_of = list(dst_of) if dst_of is not None else default_dst
     held = {r for r in src_of if r is not None}
     alive = held if alive is None else set(alive) & held
-    src_pl, dst_pl = _placements(comm, src_of, dst_of, src, dst)
+    gathered = _gather(comm, tree, local_state, src_of[comm.rank])
+    src_pl, dst_pl = _placements([g["host"] for g in gathered], src_of, dst_of, src, dst)
     reader = _reader(store)
     plan = make_plan(tree, src, dst, src_placement=src_pl, dst_placement=dst_pl, alive=alive,
                      store_fallback=reader is not None)
@@ -148,7 +160,10 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
         read = lambda path, box: read_region(reader, path, box)
     out, stats = execute_distributed(plan, tree, tensors, comm, src_of, dst_of,
                                      memory_budget=memory_budget, store_read=read, device=device)
-    values = _values(tree, plan, comm, local_state, src_of[me], dst_of[me], reader)
+    values = _values(tree, plan, gathered, dst_of[me], reader)
+    # every process confirms it holds its new state: a peer lost after its last byte was sent
+    # still fails the reconfiguration everywhere, so no process goes on alone
+    comm.barrier()
     if out is not None:
         out.update(values)
         out = {p: out[p] for p in tree.leaves if p in out}
@@ -168,19 +183,8 @@ def _reader(store):
     return store if isinstance(store, StoreReader) else StoreReader(store)
 
 
-def _values(tree, plan, comm, local_state, my_src, my_dst, reader) -> dict:
-    mine = {}
-    if local_state is not None:
-        for path, _ in tree.values():
-            mine[path] = local_state.get(path)
-    try:
-        blob = json.dumps({"src": my_src, "values": mine}).encode()
-    except (TypeError, ValueError) as exc:
-        raise ShardError(f"value leaves must be JSON-serializable to move between processes: {exc}") from exc
-    by_src = {}
-    for item in map(json.loads, comm.all_gather_bytes(blob)):
-        if item["src"] is not None:
-            by_src[item["src"]] = item["values"]
+def _values(tree, plan, gathered: list[dict], my_dst, reader) -> dict:
+    by_src = {g["src"]: g["values"] for g in gathered if g["src"] is not None}
     out = {}
     for op in plan.values:
         if op.dst_rank != my_dst:

@@ -68,6 +68,7 @@ class StoreReader:
         self._lock = threading.Lock()
         self._checked: set[str] = set()
         self._cache: OrderedDict = OrderedDict()
+        self._file_locks: dict[str, threading.Lock] = {}
         self.cache_blocks = 64
         self._first_rank: dict[str, dict[int, int]] = {}
 
@@ -123,18 +124,25 @@ class StoreReader:
         return tensor.view(rec.shape) if prod(rec.shape) else tensor.reshape(rec.shape)
 
     def _fill(self, rec, frec, blocks: np.ndarray, buf: np.ndarray) -> None:
-        """Copy ``blocks`` of ``rec.file`` (cached, or fetched and verified) into ``buf``."""
-        found: dict[int, bytes] = {}
+        """Copy ``blocks`` of ``rec.file`` (cached, or fetched and verified) into ``buf``.
+
+        Fetches from one file are serialized (files are read in parallel), so
+        two neighbouring tensors never fetch their shared boundary block twice.
+        """
         with self._lock:
-            for b in blocks.tolist():
-                data = self._cache.get((rec.file, b))
-                if data is not None:
-                    self._cache.move_to_end((rec.file, b))
-                    found[b] = data
-        missing = np.array([b for b in blocks.tolist() if b not in found], dtype=np.int64)
-        runs = coalesce(missing)
-        if runs:
-            found.update(self._fetch(rec, frec, runs))
+            file_lock = self._file_locks.setdefault(rec.file, threading.Lock())
+        with file_lock:
+            found: dict[int, bytes] = {}
+            with self._lock:
+                for b in blocks.tolist():
+                    data = self._cache.get((rec.file, b))
+                    if data is not None:
+                        self._cache.move_to_end((rec.file, b))
+                        found[b] = data
+            missing = np.array([b for b in blocks.tolist() if b not in found], dtype=np.int64)
+            runs = coalesce(missing)
+            if runs:
+                found.update(self._fetch(rec, frec, runs))
         lo, hi = rec.offset, rec.offset + rec.nbytes
         for b, data in found.items():
             a = b * frec.block

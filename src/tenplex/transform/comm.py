@@ -33,6 +33,10 @@ class Comm:
     def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
                  recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
         """Send each ``(peer, tensor)`` and fill each ``(peer, tensor)`` from its peer; all in flight at once."""
+        self.start(sends, recvs)()
+
+    def start(self, sends, recvs):
+        """Post an exchange; returns ``wait()``, which blocks until it is done (and raises on failure)."""
         raise NotImplementedError
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
@@ -46,9 +50,10 @@ class Comm:
 class LocalComm(Comm):
     """One process, no peers."""
 
-    def exchange(self, sends, recvs) -> None:
+    def start(self, sends, recvs):
         if sends or recvs:
             raise TransferError("LocalComm: a single process has no peers to exchange with")
+        return lambda: None
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         return [data]
@@ -76,18 +81,28 @@ class TorchComm(Comm):
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
-    def exchange(self, sends, recvs) -> None:
+    def start(self, sends, recvs):
         ops = [dist.P2POp(dist.isend, t, self._global(p), self.group) for p, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for p, t in recvs]
         if not ops:
-            return
+            return lambda: None
         peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
         try:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # gloo/NCCL raise RuntimeError subclasses on peer failure
-            raise TransferError(f"rank {self.rank}: transfer with peers {peers} failed: "
-                                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+            raise self._failed(peers, exc) from exc
+
+        def wait() -> None:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as exc:
+                raise self._failed(peers, exc) from exc
+        return wait
+
+    def _failed(self, peers, exc) -> TransferError:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return TransferError(f"rank {self.rank}: transfer with peers {peers} failed: {text}")
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         try:

@@ -9,8 +9,10 @@ rank (``src_of[p]``), a target rank (``dst_of[p]``), both or neither.
   byte stream: the regions' bytes, in plan order. Both sides derive the same
   stream from the plan, so no metadata travels.
 - Streams are cut into chunks and moved in rounds of batched point-to-point
-  operations (``batch_isend_irecv``). A process has at most
-  ``memory_budget`` bytes of chunks in flight (sends plus receives).
+  operations (``batch_isend_irecv``). The first round is in flight while a
+  process copies what it already holds, and round r + 1 is in flight while
+  round r is unpacked. A process has at most ``memory_budget`` bytes of
+  chunks in flight (sends plus receives, two rounds).
 - STORE ops (recovery of regions no survivor holds) are range reads from a
   committed store; FILL ops zero new padding.
 
@@ -108,8 +110,6 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     mine_in = (dst_proc == me)
     ctx = _Context(plan, S, D, local, out)
     local_rows = np.nonzero(mine_in & ((src_proc == me) | fill | store))[0]
-    for row in local_rows.tolist():
-        ctx.local_op(row, stats, store_read)
     sends = defaultdict(list)
     recvs = defaultdict(list)
     for row in np.nonzero((src_proc == me) & (dst_proc != me) & ~fill & ~store)[0].tolist():
@@ -119,7 +119,9 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     if sends and local is None:
         raise PlanError(f"process {me} must send but holds no source shards")
     stats.peers = sorted(set(sends) | set(recvs))
-    _exchange(ctx, comm, sends, recvs, memory_budget, stats, device)
+    # the first round is in flight while this process copies what it already holds
+    _exchange(ctx, comm, sends, recvs, memory_budget, stats, device,
+              meanwhile=lambda: [ctx.local_op(row, stats, store_read) for row in local_rows.tolist()])
     return out, stats
 
 
@@ -140,6 +142,13 @@ class _Context:
         self.plan, self.S, self.D, self.local, self.out = plan, S, D, local, out
         self.table = plan.table
         self._held: dict = {}
+        self._ops: dict = {}
+
+    def op(self, row: int):
+        op = self._ops.get(row)
+        if op is None:
+            op = self._ops[row] = self.table[row]
+        return op
 
     def _piece(self, sharding, rank, path, index):
         key = (id(sharding), rank, path)
@@ -149,17 +158,17 @@ class _Context:
         return held.pieces[index]
 
     def src_view(self, row: int) -> torch.Tensor:
-        op = self.table[row]
+        op = self.op(row)
         piece = self._piece(self.S, op.src_rank, op.path, op.src_piece)
         return piece_view(self.local[op.path], piece)[to_slices(relative(op.region, piece.box))]
 
     def dst_view(self, row: int) -> torch.Tensor:
-        op = self.table[row]
+        op = self.op(row)
         piece = self._piece(self.D, op.dst_rank, op.path, op.dst_piece)
         return piece_view(self.out[op.path], piece)[to_slices(relative(op.region, piece.box))]
 
     def local_op(self, row: int, stats: DistStats, store_read) -> None:
-        op = self.table[row]
+        op = self.op(row)
         target = self.dst_view(row)
         if op.kind is OpKind.FILL:
             target.zero_()
@@ -174,24 +183,36 @@ class _Context:
             stats.local += op.nbytes
 
 
-def _exchange(ctx: _Context, comm: Comm, sends, recvs, budget: int, stats: DistStats, device) -> None:
-    """Move every pair's byte stream in chunked rounds."""
+def _exchange(ctx: _Context, comm: Comm, sends, recvs, budget: int, stats: DistStats, device,
+              meanwhile=None) -> None:
+    """Move every pair's byte stream in chunked rounds; round r + 1 is in flight while round r unpacks."""
     nbytes = ctx.table.cols["nbytes"]
     # both ends of a stream must cut it alike, so the chunk size depends only on shared values;
-    # at most (size - 1) peers each way keeps the bytes in flight within the budget
-    chunk = max(1 << 16, budget // (2 * max(1, comm.size - 1)))
+    # two rounds in flight to at most (size - 1) peers each way keep the bytes within the budget
+    chunk = max(1 << 16, budget // (4 * max(1, comm.size - 1)))
     out_streams = {p: _Stream(rows, nbytes, chunk) for p, rows in sends.items()}
     in_streams = {p: _Stream(rows, nbytes, chunk) for p, rows in recvs.items()}
     rounds = max([s.chunks for s in out_streams.values()] + [s.chunks for s in in_streams.values()] + [0])
-    for r in range(rounds):
+
+    def post(r):
         send_bufs = [(p, s.pack(ctx, r, device)) for p, s in out_streams.items() if r < s.chunks]
         recv_bufs = [(p, torch.empty(s.chunk_size(r), dtype=torch.uint8, device=device))
                      for p, s in in_streams.items() if r < s.chunks]
-        held = sum(b.numel() for _, b in send_bufs) + sum(b.numel() for _, b in recv_bufs)
-        stats.peak_buffer = max(stats.peak_buffer, held)
-        comm.exchange(send_bufs, recv_bufs)
         stats.sent += sum(b.numel() for _, b in send_bufs)
         stats.received += sum(b.numel() for _, b in recv_bufs)
+        return send_bufs, recv_bufs, comm.start(send_bufs, recv_bufs)
+
+    current = post(0) if rounds else None
+    if meanwhile is not None:
+        meanwhile()
+    for r in range(rounds):
+        send_bufs, recv_bufs, wait = current
+        wait()
+        current = post(r + 1) if r + 1 < rounds else None
+        held = sum(b.numel() for _, b in send_bufs + recv_bufs)
+        if current is not None:
+            held += sum(b.numel() for _, b in current[0] + current[1])
+        stats.peak_buffer = max(stats.peak_buffer, held)
         for p, buf in recv_bufs:
             in_streams[p].unpack(ctx, r, buf)
         stats.rounds += 1
@@ -229,6 +250,12 @@ class _Stream:
     def pack(self, ctx: _Context, r: int, device) -> torch.Tensor:
         buf = torch.empty(self.chunk_size(r), dtype=torch.uint8, device=device)
         for i, x, y, at in self._span(r):
+            size = int(self.starts[i + 1] - self.starts[i])
+            if x == 0 and y == size:  # the whole region: copy the strided view straight in
+                view = ctx.src_view(self.rows[i])
+                if at % view.element_size() == 0:
+                    buf[at: at + size].view(view.dtype).view(view.shape).copy_(view)
+                    continue
             buf[at: at + (y - x)] = self._bytes(ctx, i)[x:y]
         return buf
 

@@ -193,7 +193,7 @@ def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict,
         if c.dp == 0:
             base[(c.tp, c.pp)] = load(url, config, rank)
     shards = {r: base[(config.coord(r).tp, config.coord(r).pp)] for r in range(config.world_size)}
-    physical = assemble(tree, config, shards, padded=True)
+    physical = assemble(tree, config, shards, padded=True, check_replicas=False)
     sd: dict[str, Any] = _stacked(cfg, physical, "")
     optim_type = meta.get("optimizer")
     if optim_type == "dp_reshardable":

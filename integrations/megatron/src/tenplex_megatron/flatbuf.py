@@ -149,7 +149,7 @@ def _model_space(cfg, config, shards) -> dict:
     tree = megatron_tree(cfg, optimizer=True)
     sub = type(tree)({p: l for p, l in tree.tensors() if p.startswith("optimizer/")}, tree.num_layers)
     everyone = {r: shards[config.rank(config.coord(r)._replace(dp=0))] for r in range(config.world_size)}
-    return assemble(sub, config, everyone, padded=True)
+    return assemble(sub, config, everyone, padded=True, check_replicas=False)
 
 
 def read_distrib_optim(cfg: MegatronConfig, config: ParallelConfig, files: dict, where: str) -> dict:
