@@ -85,7 +85,7 @@ def main() -> None:
         queue = ctx.Queue()
         proc = ctx.Process(target=run_one, args=(args.layers, change, args.repeat, queue))
         proc.start()
-        results[change] = queue.get()
+        results[change] = queue.get(timeout=600)
         proc.join()
     for change, r in results.items():
         print(f"{r['src']:>18} -> {r['dst']:<18} leaves={r['leaves']} ops={r['ops']:,} "
@@ -98,11 +98,11 @@ def main() -> None:
               f"busiest_sender={r['max_sender_gb']:.2f}GB (naive {r['naive_max_sender_gb']:.2f}GB, "
               f"even share {r['senders_even_share_gb']:.2f}GB)")
     scaling = []
-    for layers in (24, 48, 96):
+    for layers in (32, 64, 96):
         queue = ctx.Queue()
         proc = ctx.Process(target=run_one, args=(layers, "1024_to_2048", 1, queue))
         proc.start()
-        r = queue.get()
+        r = queue.get(timeout=600)
         proc.join()
         scaling.append(r)
         print(f"scaling: layers={layers} leaves={r['leaves']} ops={r['ops']:,} plan={r['plan_s']:.2f}s "

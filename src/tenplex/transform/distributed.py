@@ -17,7 +17,8 @@ rank (``src_of[p]``), a target rank (``dst_of[p]``), both or neither.
   committed store; FILL ops zero new padding.
 
 Source shards are never written, so the state held before a transfer stays
-usable if the transfer fails. A failure surfaces as
+usable if the transfer fails. A target tensor that one local op fills whole
+from a contiguous source region is a view of the old shard (no copy). A failure surfaces as
 :class:`~tenplex.errors.TransferError` within the process group's timeout.
 """
 
@@ -110,6 +111,8 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     mine_in = (dst_proc == me)
     ctx = _Context(plan, S, D, local, out)
     local_rows = np.nonzero(mine_in & ((src_proc == me) | fill | store))[0]
+    if out is not None and local is not None:
+        local_rows = _share_unchanged(ctx, local_rows, mine_in, stats)
     sends = defaultdict(list)
     recvs = defaultdict(list)
     for row in np.nonzero((src_proc == me) & (dst_proc != me) & ~fill & ~store)[0].tolist():
@@ -123,6 +126,31 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     _exchange(ctx, comm, sends, recvs, memory_budget, stats, device,
               meanwhile=lambda: [ctx.local_op(row, stats, store_read) for row in local_rows.tolist()])
     return out, stats
+
+
+def _share_unchanged(ctx: "_Context", local_rows: np.ndarray, mine_in: np.ndarray,
+                     stats: DistStats) -> np.ndarray:
+    """Target tensors that one local op fills whole from a contiguous source region share its storage.
+
+    Returns the local rows that still need copying. Shared tensors are views
+    of the old shards: the old state is never written, and the new one costs
+    no copy (replicated norms, a kept slice of an axis-0 split, ...).
+    """
+    c = ctx.table.cols
+    counts = np.bincount(c["path"][mine_in], minlength=len(ctx.table.paths))
+    keep = []
+    for row in local_rows.tolist():
+        op = ctx.op(row)
+        path_index = int(c["path"][row])
+        target = ctx.out.get(op.path)
+        if counts[path_index] == 1 and op.kind is not OpKind.FILL and op.link is Link.LOCAL:
+            view = ctx.src_view(row)
+            if view.is_contiguous() and view.numel() == target.numel() and view.dtype == target.dtype:
+                ctx.out[op.path] = view.view(target.shape)
+                stats.local += op.nbytes
+                continue
+        keep.append(row)
+    return np.asarray(keep, dtype=np.int64)
 
 
 def _owners(of: Sequence[int | None], world: int, what: str) -> np.ndarray:
