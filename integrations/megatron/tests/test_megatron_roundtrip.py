@@ -84,3 +84,28 @@ def test_legacy_megatron_lm_names_are_read(sources, tmp_path):
     run_worker(1, 2, MODELS["mha"], "--load", "legacy", "--load-dir", str(tmp_path / "out"),
                "--logits-out", str(tmp_path / "got.pt"))
     assert (logits(source / "ref.pt") - logits(tmp_path / "got.pt")).abs().max().item() <= 1e-6
+
+
+def test_inspect_plan_and_format_conversions(sources, tmp_path):
+    """inspect and plan auto-detect Megatron; --format converts to a tenplex store and back."""
+    import json
+
+    source = sources("mha", 2, 1)
+    done = tenplex("inspect", str(source / "legacy"), "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["format"] == "megatron-legacy" and info["config"]["tp"] == 2
+    assert any(leaf["path"] == "model/decoder/layers/3/self_attention/linear_qkv/weight" for leaf in info["leaves"])
+    done = tenplex("plan", str(source / "dist"), "--to", "tp=1,pp=2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["lower_bound"] > 0
+    store = tmp_path / "store"
+    done = tenplex("reshard", str(source / "legacy"), str(store), "--to", "tp=2", "--format", "tenplex")
+    assert done.returncode == 0 and (store / "manifest.json").exists(), done.stderr
+    assert tenplex("verify", str(store)).returncode == 0
+    back = tmp_path / "legacy"
+    done = tenplex("reshard", str(store), str(back), "--to", "dp=1,tp=1,pp=2", "--format", "megatron-legacy")
+    assert done.returncode == 0, done.stderr
+    run_worker(1, 2, MODELS["mha"], "--load", "legacy", "--load-dir", str(back),
+               "--logits-out", str(tmp_path / "got.pt"))
+    assert (logits(source / "ref.pt") - logits(tmp_path / "got.pt")).abs().max().item() <= 1e-6
