@@ -133,9 +133,13 @@ def inspect(args) -> int:
 def plan(args) -> int:
     reader, _ = _open(args.path, args)
     src, dst = reader.config, args.to
-    p = make_plan(reader.tree, src, dst,
-                  src_placement=Placement.contiguous(src.world_size, args.per_host),
-                  dst_placement=Placement.contiguous(dst.world_size, args.per_host))
+    src_pl = Placement.contiguous(src.world_size, args.per_host)
+    dst_pl = Placement.contiguous(dst.world_size, args.per_host)
+    if args.best_placement:
+        from tenplex.transform.assign import best_placement
+        pool = list(Placement.contiguous(max(src.world_size, dst.world_size), args.per_host).devices)
+        dst_pl = best_placement(reader.tree, src, dst, src_pl, pool)
+    p = make_plan(reader.tree, src, dst, src_placement=src_pl, dst_placement=dst_pl)
     t = p.totals
     summary = {"src": str(src), "dst": str(dst), "ops": len(p.ops), "kinds": p.kinds(),
                "needed": t.needed, "local": t.local, "host": t.host, "network": t.network,
@@ -144,12 +148,15 @@ def plan(args) -> int:
                "padding": [vars(x) if hasattr(x, "__dict__") else
                            {"path": x.path, "axis": x.axis, "src_padded": x.src_padded,
                             "dst_padded": x.dst_padded, "logical": x.logical} for x in p.padding],
-               "matrix": [[s, d, n] for (s, d), n in sorted(p.matrix().items())]}
+               "matrix": [[s, d, n] for (s, d), n in sorted(p.matrix().items())],
+               "placement": [str(d) for d in dst_pl.devices]}
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"plan {src} -> {dst}: {len(p.ops)} copy ops "
-          f"(ranks on hosts of {args.per_host} devices, rank r on the same device before and after)")
+    where = ("new ranks placed to keep the most bytes in place: " + " ".join(
+        f"{r}->{d}" for r, d in enumerate(dst_pl.devices)) if args.best_placement
+             else "rank r on the same device before and after")
+    print(f"plan {src} -> {dst}: {len(p.ops)} copy ops (hosts of {args.per_host} devices; {where})")
     print(table([[k, size(v)] for k, v in sorted(p.kinds().items())], ["op kind", "bytes"]))
     print(f"kept local      {size(t.local)}")
     print(f"within a host   {size(t.host)}")

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--to", type=_config, required=True, metavar="dp=D,tp=T,pp=P")
     p.add_argument("--per-host", type=int, default=8, help="devices per host (default 8)")
+    p.add_argument("--best-placement", action="store_true",
+                   help="place the new ranks on devices to keep the most bytes in place")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("verify", help="check every checksum and the manifest's consistency")
