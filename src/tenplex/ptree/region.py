@@ -35,6 +35,7 @@ __all__ = [
     "shift",
     "relative",
     "to_slices",
+    "is_contiguous",
 ]
 
 
@@ -214,6 +215,19 @@ def relative(box: Box, origin: Box) -> Box:
 def to_slices(box: Box) -> tuple[slice, ...]:
     """Index ``box`` out of a tensor: ``tensor[to_slices(box)]``."""
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
+    """True if ``box`` is one contiguous run of a row-major tensor of ``shape``.
+
+    That holds when every axis after the first one with more than one
+    element is covered whole.
+    """
+    axes = [i for i, s in enumerate(box.sizes) if s > 1]
+    if not axes:
+        return True
+    first = axes[0]
+    return all(box.offsets[j] == 0 and box.sizes[j] == shape[j] for j in range(first + 1, len(shape)))
 
 
 def total_volume(boxes: Iterable[Box]) -> int:

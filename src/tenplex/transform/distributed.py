@@ -8,6 +8,9 @@ rank (``src_of[p]``), a target rank (``dst_of[p]``), both or neither.
 - For every ordered pair of processes, the ops from one to the other form a
   byte stream: the regions' bytes, in plan order. Both sides derive the same
   stream from the plan, so no metadata travels.
+- Regions of at least :data:`DIRECT_MIN` bytes that are one contiguous run in
+  both the source and the target shard are sent from the source shard and
+  received into the target tensor directly: no staging buffer, no copy.
 - Streams are cut into chunks and moved in rounds of batched point-to-point
   operations (``batch_isend_irecv``). The first round is in flight while a
   process copies what it already holds, and round r + 1 is in flight while
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import PlanError
-from tenplex.ptree.region import relative, to_slices
+from tenplex.ptree.region import Box, is_contiguous, relative, to_slices
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
@@ -44,6 +47,10 @@ __all__ = ["DistStats", "execute_distributed", "DEFAULT_BUDGET"]
 
 DEFAULT_BUDGET = 256 << 20
 """Bytes of transfer buffers a process may have in flight (256 MiB)."""
+
+DIRECT_MIN = 256 << 10
+"""Regions of at least this many bytes, contiguous in both the source and the target shard,
+are sent from the source shard and received into the target shard, without staging buffers."""
 
 _FILL = KIND_CODE[OpKind.FILL]
 _STORE = LINK_CODE[Link.STORE]
@@ -185,6 +192,17 @@ class _Context:
             held = self._held[key] = sharding.holding(path, sharding.config.coord(rank))
         return held.pieces[index]
 
+    def contiguous(self, row: int) -> bool:
+        """Whether the row's region is one run in both its source and its target shard (geometry only)."""
+        op = self.op(row)
+        for sharding, rank, index in ((self.S, op.src_rank, op.src_piece), (self.D, op.dst_rank, op.dst_piece)):
+            piece = self._piece(sharding, rank, op.path, index)
+            rel = relative(op.region, piece.box)
+            local = Box(tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets)), rel.sizes)
+            if not is_contiguous(local, piece.view):
+                return False
+        return True
+
     def src_view(self, row: int) -> torch.Tensor:
         op = self.op(row)
         piece = self._piece(self.S, op.src_rank, op.path, op.src_piece)
@@ -211,15 +229,34 @@ class _Context:
             stats.local += op.nbytes
 
 
+def _direct(ctx: _Context, rows: list[int], nbytes: np.ndarray) -> tuple[list[int], list[int]]:
+    """Split rows into direct ones (large, contiguous at both ends) and packed ones, in plan order."""
+    direct, packed = [], []
+    for row in rows:
+        (direct if nbytes[row] >= DIRECT_MIN and ctx.contiguous(row) else packed).append(row)
+    return direct, packed
+
+
 def _exchange(ctx: _Context, comm: Comm, sends, recvs, budget: int, stats: DistStats, device,
               meanwhile=None) -> None:
-    """Move every pair's byte stream in chunked rounds; round r + 1 is in flight while round r unpacks."""
+    """Move every pair's bytes: direct regions at once, the rest as chunked streams in rounds.
+
+    Round r + 1 is in flight while round r unpacks. Both ends split rows and
+    cut streams alike, from the plan alone.
+    """
     nbytes = ctx.table.cols["nbytes"]
     # both ends of a stream must cut it alike, so the chunk size depends only on shared values;
     # two rounds in flight to at most (size - 1) peers each way keep the bytes within the budget
     chunk = max(1 << 16, budget // (4 * max(1, comm.size - 1)))
-    out_streams = {p: _Stream(rows, nbytes, chunk) for p, rows in sends.items()}
-    in_streams = {p: _Stream(rows, nbytes, chunk) for p, rows in recvs.items()}
+    direct_out, direct_in, out_streams, in_streams = [], [], {}, {}
+    for p, rows in sends.items():
+        direct, packed = _direct(ctx, rows, nbytes)
+        direct_out += [(p, ctx.src_view(r)) for r in direct]
+        out_streams[p] = _Stream(packed, nbytes, chunk)
+    for p, rows in recvs.items():
+        direct, packed = _direct(ctx, rows, nbytes)
+        direct_in += [(p, ctx.dst_view(r)) for r in direct]
+        in_streams[p] = _Stream(packed, nbytes, chunk)
     rounds = max([s.chunks for s in out_streams.values()] + [s.chunks for s in in_streams.values()] + [0])
 
     def post(r):
@@ -230,6 +267,12 @@ def _exchange(ctx: _Context, comm: Comm, sends, recvs, budget: int, stats: DistS
         stats.received += sum(b.numel() for _, b in recv_bufs)
         return send_bufs, recv_bufs, comm.start(send_bufs, recv_bufs)
 
+    direct_wait = None
+    if direct_out or direct_in:  # zero-copy: views of the source shards and the target tensors
+        flat = lambda t: t.view(torch.uint8).reshape(-1) if t.element_size() > 1 or t.dtype != torch.uint8 else t
+        direct_wait = comm.start([(p, flat(t)) for p, t in direct_out], [(p, flat(t)) for p, t in direct_in])
+        stats.sent += sum(t.numel() * t.element_size() for _, t in direct_out)
+        stats.received += sum(t.numel() * t.element_size() for _, t in direct_in)
     current = post(0) if rounds else None
     if meanwhile is not None:
         meanwhile()
@@ -244,6 +287,8 @@ def _exchange(ctx: _Context, comm: Comm, sends, recvs, budget: int, stats: DistS
         for p, buf in recv_bufs:
             in_streams[p].unpack(ctx, r, buf)
         stats.rounds += 1
+    if direct_wait is not None:
+        direct_wait()
 
 
 class _Stream:

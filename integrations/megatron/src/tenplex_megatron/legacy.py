@@ -137,21 +137,24 @@ def read_legacy(root: str, model_config: dict | None = None) -> Loaded:
     """
     iter_dir, iteration = _iteration_dir(root)
     dirs = _rank_dirs(iter_dir)
-    tp = max(t for t, _ in dirs) + 1
-    pp = max(p for _, p in dirs) + 1
+    first_key = min(dirs)
+    first = safe_load(os.path.join(dirs[first_key], "model_optim_rng.pt"))
+    args = first.get("args")
+    # the grid the files should form: from args where they say it, else from the directories
+    tp = getattr(args, "tensor_model_parallel_size", None) or max(t for t, _ in dirs) + 1
+    pp = getattr(args, "pipeline_model_parallel_size", None) or max(p for _, p in dirs) + 1
     for t in range(tp):
         for p in range(pp):
             if (t, p) not in dirs:
                 raise ManifestError(f"{iter_dir}: {_dir_name(t, p, pp)} is missing "
                                     f"(expected tp={tp} x pp={pp} rank directories)")
-    files = {tp_pp: safe_load(os.path.join(d, "model_optim_rng.pt")) for tp_pp, d in dirs.items()}
-    first = files[(0, 0)]
-    args = first.get("args")
+    extra = sorted(k for k in dirs if k[0] >= tp or k[1] >= pp)
+    if extra:
+        raise ConfigError(f"{iter_dir}: rank directories {[_dir_name(t, p, pp) for t, p in extra]} "
+                          f"lie outside the args' grid tp={tp} x pp={pp}")
+    files = {tp_pp: (first if tp_pp == first_key else safe_load(os.path.join(d, "model_optim_rng.pt")))
+             for tp_pp, d in dirs.items()}
     cfg = MegatronConfig.from_args(args, model_config)
-    if args is not None and (getattr(args, "tensor_model_parallel_size", tp) != tp
-                             or getattr(args, "pipeline_model_parallel_size", pp) != pp):
-        raise ConfigError(f"{root}: args say tp={args.tensor_model_parallel_size}, "
-                          f"pp={args.pipeline_model_parallel_size}; the directories hold tp={tp}, pp={pp}")
     config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
     dist_opt = {tp_pp: os.path.join(d, "distrib_optim.pt") for tp_pp, d in dirs.items()
                 if os.path.exists(os.path.join(d, "distrib_optim.pt"))}
