@@ -87,30 +87,51 @@ class StorePlanRunner:
         return out
 
     def leaf(self, path: str, ranks) -> dict[int, torch.Tensor]:
-        """The local tensors of ``path`` for target ``ranks`` (those that hold it)."""
+        """The local tensors of ``path`` for target ``ranks`` (those that hold it).
+
+        A target filled whole by one contiguous source region is a view of the
+        read buffer (no copy); the others are assembled from their ops.
+        """
         leaf = self.tree[path]
         dtype = torch_dtype(leaf.dtype)
-        out, held = {}, {}
+        held = {}
         for rank in ranks:
             h = self.D.holding(path, self.plan.dst.coord(rank))
             if h is not None:
                 held[rank] = h
-                out[rank] = torch.empty(h.shape, dtype=dtype)
+        ops_of = defaultdict(list)
         by_record = defaultdict(list)
         for op in self._rows(path, set(held)):
-            if op.src < 0:
-                self._view(out[op.dst], held[op.dst].pieces[op.dst_piece], op.region).zero_()
-            else:
+            ops_of[op.dst].append(op)
+            if op.src >= 0:
                 by_record[self.reader.record(path, op.src)].append(op)
         jobs = [self.pool.submit(self._read, path, rec, ops, leaf.itemsize)
                 for rec, ops in by_record.items()]
+        sources = {}
         for job in jobs:
             source, ops = job.result()
             for op in ops:
-                spiece = self.S.holding(path, self.plan.src.coord(op.src)).pieces[op.src_piece]
-                self._view(out[op.dst], held[op.dst].pieces[op.dst_piece], op.region).copy_(
-                    self._view(source, spiece, op.region))
+                sources[id(op)] = source
+        out = {}
+        for rank, h in held.items():
+            ops = ops_of[rank]
+            if len(ops) == 1 and ops[0].src >= 0:
+                op = ops[0]
+                view = self._view(sources[id(op)], self._src_piece(path, op), op.region)
+                if view.is_contiguous() and view.numel() == h.numel:
+                    out[rank] = view.view(h.shape)
+                    continue
+            target = out[rank] = torch.empty(h.shape, dtype=dtype)
+            for op in ops:
+                tview = self._view(target, h.pieces[op.dst_piece], op.region)
+                if op.src < 0:
+                    tview.zero_()
+                else:
+                    tview.copy_(self._view(sources[id(op)], self._src_piece(path, op), op.region))
         return out
+
+    def _src_piece(self, path, op):
+        return self.S.holding(path, self.plan.src.coord(op.src)).pieces[op.src_piece]
 
     @staticmethod
     def _view(local: torch.Tensor, piece, region: Box) -> torch.Tensor:

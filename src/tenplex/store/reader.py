@@ -116,73 +116,89 @@ class StoreReader:
         frec = self.manifest.files[rec.file]
         if starts is None:
             starts, ends = np.array([0]), np.array([rec.nbytes])
-        buf = np.empty(rec.nbytes, dtype=np.uint8)
-        if rec.nbytes:
-            blocks = needed_blocks(starts + rec.offset, ends + rec.offset, frec.block, frec.size)
-            self._fill(rec, frec, blocks, buf)
-        tensor = torch.from_numpy(buf).view(torch_dtype(rec.dtype))
+        dtype = torch_dtype(rec.dtype)
+        if not rec.nbytes:
+            return torch.empty(rec.shape, dtype=dtype)
+        blocks = needed_blocks(starts + rec.offset, ends + rec.offset, frec.block, frec.size)
+        span_start = int(blocks[0]) * frec.block
+        span_end = min((int(blocks[-1]) + 1) * frec.block, frec.size)
+        span = np.empty(span_end - span_start, dtype=np.uint8)
+        self._fill(rec, frec, blocks, span, span_start)
+        lo = rec.offset - span_start
+        raw = span[lo: lo + rec.nbytes]
+        if lo % dtype.itemsize:  # a misaligned tensor (rare): copy it to aligned memory
+            raw = raw.copy()
+        tensor = torch.from_numpy(raw).view(dtype)
         return tensor.view(rec.shape) if prod(rec.shape) else tensor.reshape(rec.shape)
 
-    def _fill(self, rec, frec, blocks: np.ndarray, buf: np.ndarray) -> None:
-        """Copy ``blocks`` of ``rec.file`` (cached, or fetched and verified) into ``buf``.
+    def _fill(self, rec, frec, blocks: np.ndarray, span: np.ndarray, span_start: int) -> None:
+        """Put ``blocks`` of ``rec.file`` into ``span`` (file bytes from ``span_start``), verified.
 
-        Fetches from one file are serialized (files are read in parallel), so
-        two neighbouring tensors never fetch their shared boundary block twice.
+        Cached boundary blocks are copied in; the others are read straight into
+        ``span`` (``readinto`` on local files). Fetches from one file are
+        serialized (files are read in parallel), so two neighbouring tensors
+        never fetch their shared boundary block twice.
         """
         with self._lock:
             file_lock = self._file_locks.setdefault(rec.file, threading.Lock())
         with file_lock:
-            found: dict[int, bytes] = {}
+            missing = []
             with self._lock:
                 for b in blocks.tolist():
                     data = self._cache.get((rec.file, b))
-                    if data is not None:
-                        self._cache.move_to_end((rec.file, b))
-                        found[b] = data
-            missing = np.array([b for b in blocks.tolist() if b not in found], dtype=np.int64)
-            runs = coalesce(missing)
+                    if data is None:
+                        missing.append(b)
+                        continue
+                    self._cache.move_to_end((rec.file, b))
+                    a = b * frec.block - span_start
+                    span[a: a + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            runs = coalesce(np.asarray(missing, dtype=np.int64))
             if runs:
-                found.update(self._fetch(rec, frec, runs))
-        lo, hi = rec.offset, rec.offset + rec.nbytes
-        for b, data in found.items():
-            a = b * frec.block
-            s, e = max(a, lo), min(a + len(data), hi)
-            if e > s:
-                buf[s - lo: e - lo] = np.frombuffer(data, dtype=np.uint8, count=e - s, offset=s - a)
+                self._fetch(rec, frec, runs, span, span_start)
 
-    def _fetch(self, rec, frec, runs) -> dict:
-        """Fetch block runs ``[(first, last + 1)]``, one request each, and verify every block."""
+    def _fetch(self, rec, frec, runs, span: np.ndarray, span_start: int) -> None:
+        """Read block runs ``[(first, last + 1)]`` into ``span``, one request each; verify every block."""
         full = self.root.key(rec.file)
         starts = [a * frec.block for a, _ in runs]
         ends = [min(b * frec.block, frec.size) for _, b in runs]
         with translate_errors(f"{self.root}/{rec.file}"):
             try:
-                chunks = self.root.fs.cat_ranges([full] * len(runs), starts, ends, on_error="raise")
+                if self.root.atomic_rename:  # a local file: read straight into place
+                    with open(full, "rb") as f:
+                        for a, b in zip(starts, ends):
+                            f.seek(a)
+                            got = f.readinto(memoryview(span)[a - span_start: b - span_start])
+                            if got != b - a:
+                                raise CorruptShardError(
+                                    f"{self.root}/{rec.file}: short read at [{a}, {b}): got {got} "
+                                    "bytes; the file is truncated")
+                else:
+                    chunks = self.root.fs.cat_ranges([full] * len(runs), starts, ends, on_error="raise")
+                    for a, b, data in zip(starts, ends, chunks):
+                        if len(data) != b - a:
+                            raise CorruptShardError(
+                                f"{self.root}/{rec.file}: short read at [{a}, {b}): got {len(data)} "
+                                "bytes; the file is truncated")
+                        span[a - span_start: b - span_start] = np.frombuffer(data, dtype=np.uint8)
             except FileNotFoundError:
                 raise CorruptShardError(f"{self.root}/{rec.file}: shard file is missing") from None
-        out: dict = {}
-        total = 0
-        for (first, last), a, b, data in zip(runs, starts, ends, chunks):
-            if len(data) != b - a:
-                raise CorruptShardError(f"{self.root}/{rec.file}: short read at [{a}, {b}): "
-                                        f"got {len(data)} bytes; the file is truncated")
-            total += len(data)
-            view = memoryview(data)
+        view = memoryview(span)
+        for first, last in runs:
             for index in range(first, last):
-                part = view[index * frec.block - a: min((index + 1) * frec.block, b) - a]
+                a = index * frec.block - span_start
+                part = view[a: min(a + frec.block, frec.size - span_start)]
                 actual = digest(part)
                 if actual != frec.digests[index]:
                     raise self.mismatch(rec.file, index, actual)
-                out[index] = part
         with self._lock:
-            self.bytes_read += total
+            self.bytes_read += sum(b - a for a, b in zip(starts, ends))
             self.requests += len(runs)
             for first, last in runs:  # boundary blocks are likely shared with the next tensor
                 for index in {first, last - 1}:
-                    self._cache[(rec.file, index)] = bytes(out[index])
+                    a = index * frec.block - span_start
+                    self._cache[(rec.file, index)] = bytes(view[a: min(a + frec.block, frec.size - span_start)])
             while len(self._cache) > self.cache_blocks:
                 self._cache.popitem(last=False)
-        return out
 
     def mismatch(self, key: str, index: int, actual: str) -> CorruptShardError:
         """The error for block ``index`` of file ``key`` whose digest is ``actual``."""
