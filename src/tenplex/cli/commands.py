@@ -50,6 +50,18 @@ def reshard(args) -> int:
 
     start = time.perf_counter()
     plugins = formats()
+    src_fmt = detect(args.src)
+    direct = getattr(plugins.get(src_fmt), "reshard", None)
+    if direct is not None and args.format in (None, src_fmt):
+        # a plugin format whose files are already global (megatron-dist): no regions move
+        report = direct(args.src, args.dst, args.to, model_config=getattr(args, "model_config", None))
+        if report is not None:
+            summary = {"src": src_fmt, "dst": str(args.to), "format": src_fmt,
+                       "seconds": time.perf_counter() - start, **report}
+            print(json.dumps(summary) if args.json else
+                  f"resharded {args.src} -> {args.to} ({src_fmt}, model-space tensors rewritten "
+                  f"directly) in {summary['seconds']:.2f} s")
+            return 0
     with _scratch() as tmp:
         src, src_fmt = _as_store(args.src, f"{tmp}/source", args)
         out_fmt = args.format or src_fmt

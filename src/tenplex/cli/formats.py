@@ -8,8 +8,11 @@ names an object with:
 - ``detect(path) -> bool``: whether ``path`` holds a checkpoint of this format;
 - ``to_store(path, tmp_url) -> dict``: convert it into a tenplex store at
   ``tmp_url`` and return the meta to carry along;
-- ``from_store(url, path)``: write the tenplex store at ``url`` as a checkpoint
-  of this format at ``path`` (atomically).
+- ``from_store(url, path, to=None)``: write the tenplex store at ``url``, laid
+  out for ``to``, as a checkpoint of this format at ``path`` (atomically);
+- optionally ``reshard(src, dst, to, **options)``: a direct reshard within the
+  format, for formats whose files hold model-space tensors; it returns None
+  when it cannot (the CLI then goes through the planner).
 """
 
 from __future__ import annotations

@@ -278,3 +278,79 @@ def _common(values: dict, cfg, config, optim_type, meta) -> dict:
         args.data_parallel_size = config.dp
         common["args"] = args
     return common
+
+
+def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | None = None) -> dict | None:
+    """Reshard a ``torch_dist`` directory to ``to`` directly, or return None if it needs the planner.
+
+    ``dist_checkpointing`` stores model-space (global) tensors, so a reshard
+    between two ``torch_dist`` directories moves no regions. Only three things
+    change with the config: the padded vocabulary rows (kept where both sides
+    have them, zero-filled when new, dropped when gone), the ``args`` in
+    ``common.pt``, and the layout-dependent ``dp_reshardable`` optimizer
+    buffers. The last need the planner, so this returns None for them. The
+    output is written to a temporary directory and renamed into place.
+
+    Raises:
+        ConfigError: ``to`` cannot hold the model.
+        AlreadyExistsError: ``dst`` exists.
+    """
+    if os.path.exists(dst):
+        raise AlreadyExistsError(f"{dst} exists; tenplex never overwrites a checkpoint in place")
+    common = safe_load(os.path.join(src, "common.pt")) if os.path.exists(os.path.join(src, "common.pt")) else {}
+    if (common.get("optimizer") or {}).get("param_state_sharding_type") == "dp_reshardable":
+        return None
+    args = common.get("args")
+    if model_config is None and args is None:
+        raise ConfigError(f"{src}: common.pt has no args; pass the model config "
+                          "(--model-config FILE.json, see docs/megatron.md)")
+    cfg = MegatronConfig.from_args(args, model_config)
+    megatron_tree(cfg).validate(to)
+    reader = SafeReader(src)
+    md = reader.read_metadata()
+    tensors = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+               for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
+    padded = cfg.padded_vocab(to.tp)
+    vocab_keys = {s.dist for s in param_specs(cfg) if s.leaf.layout.padding is not None}
+    changes = []
+    for key, t in list(tensors.items()):
+        base = key.split("optimizer.state.", 1)[-1].split(".", 1)[-1] if key.startswith("optimizer.state.") else key
+        if base in vocab_keys and t.shape[0] != padded:
+            new = torch.zeros((padded,) + tuple(t.shape[1:]), dtype=t.dtype)
+            rows = min(padded, t.shape[0])
+            new[:rows] = t[:rows]
+            changes.append(f"{key}: axis 0 padded {t.shape[0]} -> {padded} (logical {cfg.vocab_size}; "
+                           f"{max(0, padded - t.shape[0])} rows zero-filled, {max(0, t.shape[0] - padded)} dropped)")
+            tensors[key] = new
+    sd: dict[str, Any] = dict(tensors)
+    for key, obj in read_objects(src, md).items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        sd[key] = buf
+    if args is not None:
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size = to.tp, to.pp
+        args.padded_vocab_size = padded
+        vars(args).update(uneven_args(to.stage_layers))
+        args.data_parallel_size = to.dp
+        common["args"] = args
+    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{os.path.basename(dst)}.tmp-{uuid.uuid4().hex}")
+    os.makedirs(tmp)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=_RawBytesPlanner(), no_dist=True)
+        torch.save(common, os.path.join(tmp, "common.pt"))
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump(METADATA_JSON, f)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    import sys
+    for line in changes:
+        print(f"padding: {line}", file=sys.stderr)
+    return {"padding": changes, "direct": True}

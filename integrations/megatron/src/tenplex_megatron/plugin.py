@@ -121,6 +121,12 @@ class _Dist:
         to_store(read_dist(path, _model_config(options)), url)
 
     @staticmethod
+    def reshard(src: str, dst: str, to: ParallelConfig, **options) -> dict | None:
+        """Direct dist-to-dist reshard (global tensors stay as they are), or None."""
+        from tenplex_megatron.dist import reshard_dist
+        return reshard_dist(src, dst, to, _model_config(options))
+
+    @staticmethod
     def from_store(url: str, path: str, to: ParallelConfig | None = None) -> dict:
         from tenplex_megatron.dist import write_dist
         reader, cfg, meta = _store_parts(url)
