@@ -213,6 +213,11 @@ def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict,
             torch.save([None], buf)
             buf.seek(0)
             sd[f"decoder.layers.{linear}._extra_state/shard_{layer}_{cfg.num_layers}"] = buf
+    _write_dir(path, sd, _common(values, cfg, config, optim_type, meta))
+
+
+def _write_dir(path: str, sd: dict, common: dict) -> None:
+    """Write a ``torch_dist`` directory at ``path`` atomically: a temporary directory, then a rename."""
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
     os.makedirs(tmp)
     try:
@@ -220,7 +225,7 @@ def write_dist(path: str, url: str, reader, cfg: MegatronConfig, meta: dict,
             warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
             dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=_RawBytesPlanner(),
                      no_dist=True)
-        torch.save(_common(values, cfg, config, optim_type, meta), os.path.join(tmp, "common.pt"))
+        torch.save(common, os.path.join(tmp, "common.pt"))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(METADATA_JSON, f)
         os.rename(tmp, path)
@@ -337,19 +342,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
         vars(args).update(uneven_args(to.stage_layers))
         args.data_parallel_size = to.dp
         common["args"] = args
-    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".{os.path.basename(dst)}.tmp-{uuid.uuid4().hex}")
-    os.makedirs(tmp)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(sd, storage_writer=FileSystemWriter(tmp), planner=_RawBytesPlanner(), no_dist=True)
-        torch.save(common, os.path.join(tmp, "common.pt"))
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump(METADATA_JSON, f)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_dir(dst, sd, common)
     import sys
     for line in changes:
         print(f"padding: {line}", file=sys.stderr)
