@@ -52,6 +52,18 @@ class ReshardReport:
                 f"in {self.seconds:.2f} s ({gbps:.2f} GB/s)")
 
 
+def _joined(t, shape) -> torch.Tensor:
+    """A tensor from the store executor's result (parts in flat order are concatenated)."""
+    if isinstance(t, (list, tuple)):
+        return torch.cat([p.reshape(-1) for p in t]).view(shape)
+    return t
+
+
+def _nbytes(t) -> int:
+    parts = t if isinstance(t, (list, tuple)) else [t]
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
@@ -88,8 +100,9 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
     runner = StorePlanRunner(reader, plan, threads)
     try:
         out: dict[str, Any] = {}
-        for path, _ in reader.tree.tensors():
-            out.update({path: t for t in runner.leaf(path, [rank]).values()})
+        for path, leaf in reader.tree.tensors():
+            for t in runner.leaf(path, [rank]).values():
+                out[path] = _joined(t, runner.D.holding(path, config.coord(rank)).shape)
         out.update(target_values(reader.tree, plan, reader, [rank])[rank])
         return {p: out[p] for p in reader.tree.leaves if p in out}
     finally:
@@ -164,7 +177,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
                     futures[i + 2] = builder.submit(runner.leaf, nxt, storing.get(nxt, []))
                 list(io.map(lambda item: writer.write(item[0], path, item[1]),
                             sorted(tensors.items())))
-                done += sum(t.numel() * t.element_size() for t in tensors.values())
+                done += sum(_nbytes(t) for t in tensors.values())
                 if progress:
                     progress(done, total)
         writer.commit(target_values(tree, plan, reader))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import PlanError
-from tenplex.ptree.region import Box, relative, to_slices
+from tenplex.ptree.region import Box, flat_start, is_contiguous, relative, to_slices
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, torch_dtype
@@ -115,12 +115,10 @@ class StorePlanRunner:
         out = {}
         for rank, h in held.items():
             ops = ops_of[rank]
-            if len(ops) == 1 and ops[0].src >= 0:
-                op = ops[0]
-                view = self._view(sources[id(op)], self._src_piece(path, op), op.region)
-                if view.is_contiguous() and view.numel() == h.numel:
-                    out[rank] = view.view(h.shape)
-                    continue
+            parts = self._tiling(path, h, ops, sources)
+            if parts is not None:
+                out[rank] = parts[0].view(h.shape) if len(parts) == 1 else parts
+                continue
             target = out[rank] = torch.empty(h.shape, dtype=dtype)
             for op in ops:
                 tview = self._view(target, h.pieces[op.dst_piece], op.region)
@@ -129,6 +127,32 @@ class StorePlanRunner:
                 else:
                     tview.copy_(self._view(sources[id(op)], self._src_piece(path, op), op.region))
         return out
+
+    def _tiling(self, path, held, ops, sources):
+        """Source views that tile the target in flat order (each contiguous at both ends), or None.
+
+        Such a target is never assembled: its parts go to the writer as they are.
+        """
+        if not ops or any(op.src < 0 for op in ops) or len(held.pieces) != 1:
+            return None
+        piece = held.pieces[0]
+        placed = []
+        for op in ops:
+            rel = relative(op.region, piece.box)
+            local = Box(tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets)), rel.sizes)
+            if not is_contiguous(local, piece.view):
+                return None
+            view = self._view(sources[id(op)], self._src_piece(path, op), op.region)
+            if not view.is_contiguous():
+                return None
+            placed.append((piece.offset + flat_start(local, piece.view), view))
+        placed.sort(key=lambda item: item[0])
+        position = 0
+        for start, view in placed:
+            if start != position:
+                return None
+            position += view.numel()
+        return [view for _, view in placed] if position == held.numel else None
 
     def _src_piece(self, path, op):
         return self.S.holding(path, self.plan.src.coord(op.src)).pieces[op.src_piece]

@@ -64,19 +64,30 @@ class _FileWriter:
         self.handle.write(data)
         self.hasher.update(data)
 
-    def write(self, name: str, tensor: torch.Tensor) -> int:
+    def write(self, name: str, tensor) -> int:
+        """Write the next tensor: a tensor, or a list of contiguous parts in flat order."""
         expected = self.entries[self.next]
         if name != expected[0]:
             raise ShardError(f"{self.key}: expected tensor {expected[0]} next, got {name}")
-        if tensor.dtype != torch_dtype(expected[1]) or tuple(tensor.shape) != expected[2]:
+        parts = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+        dtype = torch_dtype(expected[1])
+        numel = sum(p.numel() for p in parts)
+        shape = tuple(parts[0].shape) if len(parts) == 1 else None
+        if any(p.dtype != dtype for p in parts) or (shape if shape is not None else (numel,)) != \
+                (expected[2] if shape is not None else (Entry(*expected).nbytes // dtype.itemsize,)):
+            found = [list(p.shape) for p in parts]
             raise ShardError(f"{self.key}: tensor {name}: expected {list(expected[2])} {expected[1]}, "
-                             f"found {list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}")
-        data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
-        self._write(data)
+                             f"found {found[0] if len(found) == 1 else found} "
+                             f"{str(parts[0].dtype).removeprefix('torch.')}")
+        total = 0
+        for part in parts:
+            data = part.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+            self._write(data)
+            total += data.nbytes
         self.next += 1
         if self.progress:
-            self.progress("bytes", data.nbytes)
-        return data.nbytes
+            self.progress("bytes", total)
+        return total
 
     def close(self) -> FileRecord:
         if self.next != len(self.entries):
