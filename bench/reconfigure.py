@@ -68,68 +68,23 @@ import socket
 import tempfile
 import time
 
+from bench_common import check_plain_sharding, free_port, logical_bytes, make_spec as _make_spec
+
+
+def make_spec(mb: float):
+    """A GPTSpec of about ``mb`` MB (see bench_common.make_spec)."""
+    return _make_spec(mb * 1e6)
+
 WORLD = 4
 SEED = 0
-BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight; fp32 exp_avg, exp_avg_sq, main_param
 
 
 # -- model ---------------------------------------------------------------------
-
-def make_spec(mb: float):
-    """A GPTSpec of about ``mb`` logical MB whose tp layout is plain DTensor sharding at tp <= 4."""
-    from tenplex.models import GPTSpec
-
-    target = mb * 1e6
-    best = None
-    for vocab in (32768, 16384, 8192, 4096, 2048, 1024, 512):
-        for hidden in range(256, 8193, 256):  # heads = hidden / 64, a multiple of 4
-            for layers in range(2, 97, 2):
-                seq = 1024
-                per_layer = 12 * hidden * hidden + 13 * hidden  # qkv, proj, fc1, fc2, biases, norms
-                params = vocab * hidden + seq * hidden + layers * per_layer + 2 * hidden
-                err = abs(math.log(params * BYTES_PER_PARAM / target))
-                shape = abs(math.log(layers / (hidden / 128)))  # GPT-like depth/width
-                key = (err > 0.05, shape if err <= 0.05 else err, -vocab)
-                if best is None or key < best[0]:
-                    best = (key, vocab, hidden, layers)
-    _, vocab, hidden, layers = best
-    heads = hidden // 64
-    return GPTSpec(num_layers=layers, hidden=hidden, heads=heads, query_groups=heads,
-                   ffn=4 * hidden, vocab=vocab, seq_len=1024, swiglu=False, tied=True,
-                   dtype="bfloat16", make_vocab_size_divisible_by=128, optimizer="adam")
 
 
 WARMUP_SPEC = dict(num_layers=2, hidden=256, heads=4, query_groups=4, ffn=1024, vocab=512,
                    seq_len=64, swiglu=False, tied=True, dtype="bfloat16",
                    make_vocab_size_divisible_by=128, optimizer="adam")
-
-
-def check_plain_sharding(tree, configs) -> None:
-    """Raise unless every tp split of ``tree`` is DTensor's ``Shard(axis)`` under ``configs``."""
-    from tenplex.ptree.sharding import Sharding
-
-    for cfg in configs:
-        sharding = Sharding(tree, cfg)
-        for path, leaf in tree.tensors():
-            assert leaf.layout.dp_shard is None, path
-            assert sharding.physical_shape(leaf) == leaf.shape, f"{path}: padded under {cfg}"
-            split = leaf.layout.split
-            if split is None:
-                continue
-            n = leaf.shape[split.axis]
-            exact = (split.parts is None and n % cfg.tp == 0
-                     and (n // cfg.tp) % split.granularity == 0)
-            assert exact, f"{path}: tp split under {cfg} is not DTensor's Shard({split.axis})"
-
-
-def logical_bytes(tree) -> int:
-    return sum(math.prod(leaf.shape) * leaf.itemsize for _, leaf in tree.tensors())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- worker helpers ------------------------------------------------------------

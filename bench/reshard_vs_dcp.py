@@ -72,119 +72,22 @@ import socket
 import tempfile
 import time
 
+from bench_common import (check_plain_sharding, cpu_s, dir_bytes, free_port, io_counters,
+                          logical_bytes, peak_rss_mb, reset_peak_rss, rss_mb, make_spec as _make_spec)
+
+
+def make_spec(gb: float):
+    """A GPTSpec of about ``gb`` GB (see bench_common.make_spec)."""
+    return _make_spec(gb * 1e9, vocabs=(32768, 8192, 2048),
+                      hiddens=(256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192),
+                      layers=range(2, 97, 2))  # even: the pp=2 change splits the layers
+
 SOURCE = "dp=2,tp=2,pp=1"
 CHANGES = {"tp4": "dp=1,tp=4,pp=1", "pp2": "dp=2,tp=1,pp=2"}
-BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight; fp32 exp_avg, exp_avg_sq, main_param
 FLOOR_CHUNK = 16 << 20
 
 
 # -- helpers ------------------------------------------------------------------
-
-def make_spec(gb: float):
-    """A GPTSpec of about ``gb`` logical bytes whose tp layout is plain DTensor sharding."""
-    from tenplex.models import GPTSpec
-
-    target = gb * 1e9
-    best = None
-    for vocab in (32768, 8192, 2048):
-        for hidden in (256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192):
-            for layers in range(2, 97, 2):
-                seq = 1024
-                # qkv, proj, fc1, fc2 weights, plus biases and norms
-                per_layer = 12 * hidden * hidden + 13 * hidden
-                params = vocab * hidden + seq * hidden + layers * per_layer + 2 * hidden
-                err = abs(math.log(params * BYTES_PER_PARAM / target))
-                # prefer a relative error under 5%, then a GPT-like depth/width, then a big vocab
-                shape = abs(math.log(layers / (hidden / 128)))
-                key = (err > 0.05, shape if err <= 0.05 else err, -vocab)
-                if best is None or key < best[0]:
-                    best = (key, vocab, hidden, layers)
-    _, vocab, hidden, layers = best
-    heads = hidden // 64
-    return GPTSpec(num_layers=layers, hidden=hidden, heads=heads, query_groups=heads,
-                   ffn=4 * hidden, vocab=vocab, seq_len=1024, swiglu=False, tied=True,
-                   dtype="bfloat16", make_vocab_size_divisible_by=128, optimizer="adam")
-
-
-def check_plain_sharding(tree, configs) -> None:
-    """Raise unless every tp split of ``tree`` is DTensor's ``Shard(axis)`` under ``configs``."""
-    from tenplex.ptree.sharding import Sharding
-
-    for cfg in configs:
-        sharding = Sharding(tree, cfg)
-        for path, leaf in tree.tensors():
-            assert leaf.layout.dp_shard is None, path
-            assert sharding.physical_shape(leaf) == leaf.shape, f"{path}: padded under {cfg}"
-            split = leaf.layout.split
-            if split is None:
-                continue
-            n = leaf.shape[split.axis]
-            exact = (split.parts is None and n % cfg.tp == 0
-                     and (n // cfg.tp) % split.granularity == 0)
-            assert exact, f"{path}: tp split under {cfg} is not DTensor's Shard({split.axis})"
-
-
-def logical_bytes(tree) -> int:
-    return sum(math.prod(leaf.shape) * leaf.itemsize for _, leaf in tree.tensors())
-
-
-def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_mb() -> float:
-    """This process's resident set size now, in MB."""
-    return _status_mb("VmRSS")
-
-
-def reset_peak_rss() -> float:
-    """Reset this process's peak RSS to its current RSS (Linux >= 4.0); returns the current RSS.
-
-    Peak RSS is read from ``VmHWM`` rather than ``getrusage``: ``ru_maxrss``
-    survives ``exec``, so a spawned child would report its parent's RSS at fork.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return rss_mb()
-
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS (since :func:`reset_peak_rss`), in MB."""
-    value = _status_mb("VmHWM")
-    return value if value == value else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def cpu_s() -> float:
-    """User plus system CPU seconds of this process so far (all threads)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def io_counters() -> tuple[int, int]:
-    """``(rchar, wchar)`` of this process: bytes passed to read and write system calls."""
-    values = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            key, value = line.split(":")
-            values[key] = int(value)
-    return values["rchar"], values["wchar"]
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_child(target, *args):
