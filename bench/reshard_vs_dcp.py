@@ -66,14 +66,12 @@ import json
 import math
 import multiprocessing as mp
 import os
-import resource
 import shutil
-import socket
 import tempfile
 import time
 
 from bench_common import (check_plain_sharding, cpu_s, dir_bytes, free_port, io_counters,
-                          logical_bytes, peak_rss_mb, reset_peak_rss, rss_mb, make_spec as _make_spec)
+                          logical_bytes, peak_rss_mb, reset_peak_rss, make_spec as _make_spec)
 
 
 def make_spec(gb: float):

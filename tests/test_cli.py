@@ -2,9 +2,7 @@
 
 import json
 import subprocess
-import sys
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,7 +1,6 @@
 """Property tests: any GPT-style tree, any pair of valid configs with dp*tp*pp <= 8."""
 
-import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from strategies import tree_and_configs

@@ -11,12 +11,11 @@ import torch
 
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import assemble as assemble_shards
-from tenplex.ptree.tree import TensorLeaf
 from tenplex.store.blocks import digest
 from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.store.reader import StoreReader
 from tenplex.store.writer import StoreWriter, save
-from tenplex.transform.plan import Plan, Totals
+from tenplex.transform.plan import Totals
 from tenplex.transform.planner import make_plan
 
 __all__ = ["save", "load", "reshard", "assemble", "verify", "ReshardReport"]

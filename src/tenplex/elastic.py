@@ -25,7 +25,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-import torch
 
 from tenplex.errors import ShardError
 from tenplex.ptree.config import ParallelConfig

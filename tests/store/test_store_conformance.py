@@ -6,7 +6,6 @@ import fsspec
 import pytest
 import torch
 
-import tenplex
 from tenplex.api import assemble, load, reshard, save, verify
 from tenplex.errors import (AlreadyExistsError, CorruptShardError, ManifestError, ShardError)
 from tenplex.models import GPTSpec, gpt_tree, random_state

@@ -1,12 +1,10 @@
 """Helpers that run real megatron-core (torchrun, gloo, CPU) for the integration tests."""
 
-import json
 import os
 import pathlib
 import subprocess
 import sys
 
-import pytest
 import torch
 
 WORKER = pathlib.Path(__file__).with_name("mcore_worker.py")

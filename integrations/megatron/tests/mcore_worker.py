@@ -295,7 +295,6 @@ class Worker:
         Returns the model output on the last stage (loss [b, s] or logits [b, s, v/tp]),
         None elsewhere.
         """
-        torch = self.torch
         a = self.a
         inputs, pos, mask, labels = self.batch(global_batch=global_batch)
         b = inputs.shape[0]

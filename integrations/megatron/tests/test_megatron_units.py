@@ -1,7 +1,6 @@
 """Unit tests of the Megatron integration that need no megatron-core processes."""
 
 import argparse
-import pickle
 
 import pytest
 import torch

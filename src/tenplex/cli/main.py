@@ -7,9 +7,7 @@ usage errors exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 import traceback
 
 from tenplex.errors import ConfigError, TenplexError

@@ -163,24 +163,31 @@ def assemble(tree: PTree, config: ParallelConfig, shards_by_rank: Mapping[int, S
     return out
 
 
-def _assemble_tensor(path, leaf, sharding, shards_by_rank, shape) -> torch.Tensor:
-    dtype = torch_dtype(leaf.dtype)
-    result = torch.zeros(shape, dtype=dtype)
-    written = torch.zeros(shape, dtype=torch.int16)
-    first_writer = torch.full(shape, -1, dtype=torch.int32)
-    logical = Box((0,) * len(shape), tuple(shape))
+def _held_regions(path, leaf, sharding, shards_by_rank, shape, every_replica: bool):
+    """``(rank, box, source view)`` for every held region inside ``shape``, checking each shard.
+
+    With ``every_replica`` False, only each holder class's lowest rank is visited.
+    """
+    extent = Box((0,) * len(shape), tuple(shape))
     for cls in sharding.classes(path):
-        for rank in cls.ranks:
+        for rank in cls.ranks if every_replica else cls.ranks[:1]:
             local = shards_by_rank[rank].get(path)
             if local is None:
                 raise ShardError(f"rank {rank}: leaf {path} is missing from its shards")
             check_shard(path, leaf, cls.holding, local, rank)
             for piece in cls.holding.pieces:
-                inside = intersect(piece.box, logical)
-                if inside is None:
-                    continue
-                src = piece_view(local, piece)[to_slices(relative(inside, piece.box))]
-                _merge(path, rank, result, written, first_writer, inside, src)
+                inside = intersect(piece.box, extent)
+                if inside is not None:
+                    yield rank, inside, piece_view(local, piece)[to_slices(relative(inside, piece.box))]
+
+
+def _assemble_tensor(path, leaf, sharding, shards_by_rank, shape) -> torch.Tensor:
+    """Every replica merged, compared bit for bit, and coverage checked element by element."""
+    result = torch.zeros(shape, dtype=torch_dtype(leaf.dtype))
+    written = torch.zeros(shape, dtype=torch.int16)
+    first_writer = torch.full(shape, -1, dtype=torch.int32)
+    for rank, box, src in _held_regions(path, leaf, sharding, shards_by_rank, shape, True):
+        _merge(path, rank, result, written, first_writer, box, src)
     if not bool(written.all()):
         raise ShardError(f"assemble: leaf {path} has {int((written == 0).sum())} elements "
                          "that no rank holds")
@@ -190,17 +197,8 @@ def _assemble_tensor(path, leaf, sharding, shards_by_rank, shape) -> torch.Tenso
 def _assemble_fast(path, leaf, sharding, shards_by_rank, shape) -> torch.Tensor:
     """Each holder class's pieces copied once; the classes cover the tensor by construction."""
     result = torch.empty(shape, dtype=torch_dtype(leaf.dtype))
-    extent = Box((0,) * len(shape), tuple(shape))
-    for cls in sharding.classes(path):
-        rank = cls.ranks[0]
-        local = shards_by_rank[rank].get(path)
-        if local is None:
-            raise ShardError(f"rank {rank}: leaf {path} is missing from its shards")
-        check_shard(path, leaf, cls.holding, local, rank)
-        for piece in cls.holding.pieces:
-            inside = intersect(piece.box, extent)
-            if inside is not None:
-                result[to_slices(inside)] = piece_view(local, piece)[to_slices(relative(inside, piece.box))]
+    for _, box, src in _held_regions(path, leaf, sharding, shards_by_rank, shape, False):
+        result[to_slices(box)] = src
     return result
 
 

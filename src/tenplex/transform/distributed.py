@@ -103,7 +103,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     me = comm.rank
     proc_src, proc_dst = _owners(src_of, plan.src.world_size, "source"), \
         _owners(dst_of, plan.dst.world_size, "target")
-    my_src, my_dst = src_of[me], dst_of[me]
+    my_dst = dst_of[me]
     S, D = Sharding(tree, plan.src), Sharding(tree, plan.dst)
     out = allocate(tree, D, my_dst) if my_dst is not None else None
     if out is not None and torch.device(device).type != "cpu":

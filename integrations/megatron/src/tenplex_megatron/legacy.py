@@ -231,7 +231,6 @@ def _adam_shard(cfg, config, pp_rank, optim: dict, model_shard: dict, where: str
     specs = _param_order(cfg, config, pp_rank)
     groups = optim["param_groups"]
     out = {}
-    index = 0
     for group in groups:
         no_wd = float(group.get("wd_mult", 1.0)) == 0.0
         members = [s for s in specs if s.no_weight_decay == no_wd]
@@ -245,7 +244,6 @@ def _adam_shard(cfg, config, pp_rank, optim: dict, model_shard: dict, where: str
                 out[optimizer_path(name, spec.path)] = (st[name] if name in st else
                                                         torch.zeros_like(local)).float().contiguous()
             out[optimizer_path("param", spec.path)] = local.float().clone()
-            index += 1
     return out
 
 

@@ -36,9 +36,7 @@ def summarize(phases, statics, elastic, static_a, static_b, tree, seconds: float
         if i > 0:
             prev = phases[i - 1].config
             plan = make_plan(tree, prev, phase.config)
-            how = [r["how"] for r in moves] + [r["how"] for r in elastic["reconfigs"]
-                                               if r["phase"] == i and r["how"] == "restart: stage"]
-            stage = [r for r in elastic["reconfigs"] if r["phase"] == i and r["how"] == "restart: stage"]
+            stage = [r for r in moves if r["how"] == "restart: stage"]
             live = [r for r in moves if r["how"] == "live"]
             load = [r for r in moves if r["how"] == "restart: load"]
             if live:
@@ -48,7 +46,6 @@ def summarize(phases, statics, elastic, static_a, static_b, tree, seconds: float
                 row.update(change="restart (staged store)",
                            reconfig_s=sum(r["seconds"] for r in stage + load),
                            moved=plan.totals.needed, lower_bound=plan.totals.lower_bound)
-            del how
         rows.append(row)
         start += phase.steps
     same_samples = _samples(elastic) == _samples(static_a)

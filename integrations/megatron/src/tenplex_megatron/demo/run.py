@@ -18,13 +18,10 @@ import os
 import queue as queue_mod
 import shutil
 import socket
-import sys
 import tempfile
 import time
-import uuid
-from collections import Counter
 
-from tenplex.errors import ConfigError, TenplexError
+from tenplex.errors import TenplexError
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.config import MegatronConfig

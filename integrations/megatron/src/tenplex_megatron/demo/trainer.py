@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 import tenplex
-from tenplex.ptree.layout import Layout
 from tenplex.ptree.tree import PTree, TensorLeaf, ValueLeaf
 
 from tenplex_megatron.config import MegatronConfig
