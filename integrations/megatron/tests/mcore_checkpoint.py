@@ -1,0 +1,281 @@
+"""The worker's checkpoint formats: Megatron-LM's legacy per-rank files and dist_checkpointing.
+
+Mixed into :class:`mcore_worker.Worker`, which supplies ``a`` (the parsed
+arguments), ``torch``, ``dist``, ``ps`` (megatron's parallel_state), the
+model, optimizer and scheduler, and the tp/pp/dp ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+def log0(*msg) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*msg, flush=True)
+
+
+class CheckpointMixin:
+    # ------------------------------------------------------------------ legacy format
+    def megatron_args(self) -> argparse.Namespace:
+        """The subset of Megatron-LM's parsed args that matter for a checkpoint reader."""
+        a = self.a
+        return argparse.Namespace(
+            num_layers=a.layers,
+            hidden_size=a.hidden,
+            ffn_hidden_size=a.ffn,
+            num_attention_heads=a.heads,
+            group_query_attention=a.query_groups != a.heads,
+            num_query_groups=a.query_groups,
+            kv_channels=a.hidden // a.heads,
+            max_position_embeddings=a.max_pos,
+            seq_length=a.seq,
+            position_embedding_type=a.position,
+            use_rotary_position_embeddings=a.position == "rope",
+            add_position_embedding=a.position == "learned_absolute",
+            rotary_percent=1.0,
+            rotary_base=10000,
+            swiglu=a.swiglu,
+            untie_embeddings_and_output_weights=a.untie,
+            normalization=a.norm,
+            add_bias_linear=a.bias == "on",
+            add_qkv_bias=a.bias == "on",
+            vocab_size=a.vocab,
+            padded_vocab_size=self.padded_vocab,
+            make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+            tokenizer_type="NullTokenizer",
+            vocab_file=None,
+            tensor_model_parallel_size=a.tp,
+            pipeline_model_parallel_size=a.pp,
+            virtual_pipeline_model_parallel_size=None,
+            expert_model_parallel_size=1,
+            num_experts=None,
+            data_parallel_size=self.dp,
+            world_size=self.world,
+            micro_batch_size=a.batch // self.dp,
+            global_batch_size=a.batch,
+            consumed_train_samples=a.batch * max(a.train_steps, 0),
+            consumed_valid_samples=0,
+            train_iters=max(a.train_steps, 0),
+            seed=a.seed,
+            lr=a.lr,
+            min_lr=a.lr / 10,
+            optimizer="adam",
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_eps=1e-8,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            use_distributed_optimizer=a.dist_opt,
+            fp16=False,
+            bf16=False,
+            params_dtype=self.torch.float32,
+            transformer_impl="local",
+            ckpt_format="torch",
+            use_dist_ckpt=False,
+            no_save_optim=not a.optimizer,
+            no_save_rng=False,
+            data_parallel_random_init=False,
+            iteration=a.iteration,
+        )
+
+    def legacy_path(self, root: str) -> str:
+        sub = f"mp_rank_{self.tp_rank:02d}"
+        if self.a.pp > 1:
+            sub += f"_{self.pp_rank:03d}"
+        return os.path.join(root, f"iter_{self.a.iteration:07d}", sub, "model_optim_rng.pt")
+
+    def rng_state(self):
+        import numpy as np
+        from megatron.core import tensor_parallel
+
+        torch = self.torch
+        return [
+            {
+                "random_rng_state": random.getstate(),
+                "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state(),
+                # On CUDA this is torch.cuda.get_rng_state(); CPU stand-in here.
+                "cuda_rng_state": torch.get_rng_state(),
+                "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            }
+        ]
+
+    def save_legacy(self, root: str):
+        torch = self.torch
+        t = time.time()
+        state = {
+            "args": self.megatron_args(),
+            "checkpoint_version": 3.0,
+            "iteration": self.a.iteration,
+            "model": self.model.state_dict_for_save_checkpoint(),
+        }
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+        state["rng_state"] = self.rng_state()
+        state["num_floating_point_operations_so_far"] = 0
+        path = self.legacy_path(root)
+        if self.optimizer is not None and self.a.dist_opt:
+            # Megatron-LM: optimizer.save_parameter_state(<dir>/distrib_optim.pt), all dp ranks
+            # take part (gather to dp rank 0).
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
+        if self.dp_rank == 0:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state, path)
+        self.dist.barrier()
+        if self.dist.get_rank() == 0:
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(self.a.iteration))
+        self.dist.barrier()
+        log0(f"TIME save_legacy {time.time() - t:.2f}")
+
+    def load_legacy(self, root: str):
+        torch = self.torch
+        t = time.time()
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+            it = int(f.read().strip())
+        self.a.iteration = it
+        path = self.legacy_path(root)
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["model"], strict=True)
+        if self.optimizer is not None and not self.a.no_load_optim and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.a.dist_opt:
+                self.optimizer.load_parameter_state(
+                    os.path.join(os.path.dirname(path), "distrib_optim.pt")
+                )
+            self._untie_steps()
+            if "opt_param_scheduler" in state:
+                self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        self.dist.barrier()
+        log0(f"TIME load_legacy {time.time() - t:.2f}")
+
+    # ------------------------------------------------------------------ dist format
+    def sharded_sd_metadata(self):
+        md = {"dp_cp_group": self.ps.get_data_parallel_group(with_context_parallel=True),
+              "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        if self.a.dist_opt:
+            md["distrib_optim_sharding_type"] = self.a.sharding_type
+        return md
+
+    def save_dist(self, root: str):
+        from megatron.core import dist_checkpointing
+
+        t = time.time()
+        md = self.sharded_sd_metadata()
+        if self.dist.get_rank() == 0:
+            os.makedirs(root, exist_ok=True)
+        self.dist.barrier()
+        sd = self.model.sharded_state_dict(metadata=md)
+        if self.optimizer is not None:
+            model_sd = sd
+            sd = {"model": model_sd,
+                  "optimizer": self.optimizer.sharded_state_dict(model_sd, metadata=md),
+                  "opt_param_scheduler": self.scheduler.state_dict(),
+                  "iteration": self.a.iteration}
+        if self.a.dist_args == "on":  # Megatron-LM's generate_state_dict puts these in common.pt
+            sd["args"] = self.megatron_args()
+            sd["checkpoint_version"] = 3.0
+            sd.setdefault("iteration", self.a.iteration)
+        dist_checkpointing.save(sd, root, content_metadata=_clean_md(md))
+        self.dist.barrier()
+        log0(f"TIME save_dist {time.time() - t:.2f}")
+
+    def _fill_adam_state(self):
+        """Give every Adam param zero moments and a step, so is_loading sharded_state_dict works.
+
+        A fresh torch Adam has empty state; DistributedOptimizer.state_dict() (called by
+        sharded_state_dict) reads ``s["step"]`` of every param and asserts one value.
+        """
+        torch = self.torch
+        for opt in _inner_optimizers(self.optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    st = opt.state[p]
+                    if len(st) == 0:
+                        st["exp_avg"] = torch.zeros_like(p.data)
+                        st["exp_avg_sq"] = torch.zeros_like(p.data)
+                    if "step" not in st:
+                        st["step"] = torch.tensor(0.0)
+
+    def _untie_steps(self):
+        """After loading, each Adam param needs its own step tensor.
+
+        DistributedOptimizer.load_state_dict assigns ONE step tensor to every param's
+        torch-Adam state; torch Adam then increments it once per param per step, so the
+        bias correction goes wrong from the second step on (losses drift silently).
+        """
+        for opt in _inner_optimizers(self.optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    st = opt.state[p]
+                    if "step" in st and isinstance(st["step"], self.torch.Tensor):
+                        st["step"] = st["step"].clone()
+
+    def optim_summary(self, tag: str):
+        """Print per-param Adam state checksums (rank 0) when TENPLEX_DEBUG_OPT is set."""
+        if not os.environ.get("TENPLEX_DEBUG_OPT") or self.optimizer is None:
+            return
+        for opt in _inner_optimizers(self.optimizer):
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    st = opt.state[p]
+                    desc = {k: (round(float(v.double().sum()), 6) if v.numel() > 1 else float(v))
+                            for k, v in st.items()}
+                    log0(f"OPT {tag} g{gi} p{pi} numel={p.numel()} param={float(p.double().sum()):.6f} {desc}")
+
+    def load_dist(self, root: str):
+        from megatron.core import dist_checkpointing
+
+        t = time.time()
+        md = self.sharded_sd_metadata()
+        with_optim = self.optimizer is not None and not self.a.no_load_optim
+        if with_optim:
+            saved_md = dist_checkpointing.load_content_metadata(root) or {}
+            if "distrib_optim_sharding_type" in saved_md:
+                md["distrib_optim_sharding_type"] = saved_md["distrib_optim_sharding_type"]
+        sd = self.model.sharded_state_dict(metadata=md)
+        if with_optim:
+            self._fill_adam_state()
+            model_sd = sd
+            sd = {"model": model_sd,
+                  "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=md),
+                  "opt_param_scheduler": None, "iteration": None}
+            # Common (non-sharded) entries come back from common.pt.
+            del sd["opt_param_scheduler"], sd["iteration"]
+        loaded = dist_checkpointing.load(sd, root)
+        # save(..., content_metadata=md) stores md in common.pt; load returns it as a key.
+        loaded.pop("content_metadata", None)
+        if with_optim:
+            self.model.load_state_dict(loaded["model"], strict=True)
+            self.optimizer.load_state_dict(loaded["optimizer"])
+            self._untie_steps()
+            if "opt_param_scheduler" in loaded:
+                self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        else:
+            # Sharded tensors come back under the structure we passed in (flat model
+            # keys); common.pt entries of a checkpoint written with an optimizer
+            # (optimizer param_groups, opt_param_scheduler, iteration) come back as
+            # extra top-level keys: keep only the model's own keys.
+            model_keys = set(self.model.state_dict().keys())
+            for extra in ("args", "checkpoint_version", "iteration"):
+                loaded.pop(extra, None)
+            state = {k: v for k, v in loaded.items() if k in model_keys}
+            self.model.load_state_dict(state, strict=True)
+        self.dist.barrier()
+        log0(f"TIME load_dist {time.time() - t:.2f}")
+
+
+def _clean_md(md: dict) -> dict:
+    return {k: v for k, v in md.items() if k != "dp_cp_group"}
+
+
+def _inner_optimizers(opt):
+    subs = getattr(opt, "chained_optimizers", None) or [opt]
+    return [s.optimizer for s in subs]
