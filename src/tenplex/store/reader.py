@@ -120,8 +120,12 @@ class StoreReader:
         if not rec.nbytes:
             return torch.empty(rec.shape, dtype=dtype)
         blocks = needed_blocks(starts + rec.offset, ends + rec.offset, frec.block, frec.size)
-        span_start = int(blocks[0]) * frec.block
-        span_end = min((int(blocks[-1]) + 1) * frec.block, frec.size)
+        if not len(blocks):
+            return torch.empty(rec.shape, dtype=dtype)
+        # the buffer covers the whole tensor and every needed block: the first needed
+        # block may start after the tensor's first byte, and the last may end past its end
+        span_start = min(int(blocks[0]) * frec.block, rec.offset)
+        span_end = max(min((int(blocks[-1]) + 1) * frec.block, frec.size), rec.offset + rec.nbytes)
         span = np.empty(span_end - span_start, dtype=np.uint8)
         self._fill(rec, frec, blocks, span, span_start)
         lo = rec.offset - span_start
