@@ -37,7 +37,7 @@ import time
 
 _T0 = time.time()
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "src"))
+sys.path.insert(0, os.path.dirname(_HERE))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
