@@ -1,6 +1,7 @@
 """A shortened `tenplex demo` (tiny model, two steps per phase) as CI runs it."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 def tenplex(*args, timeout=900):
     return subprocess.run([sys.executable, "-m", "tenplex.cli.main", *args], capture_output=True,
                           text=True, timeout=timeout)
+
+
+def test_readme_default_demo(tmp_path):
+    """`tenplex demo` exactly as the README runs it: default model, schedule and output."""
+    exe = shutil.which("tenplex")
+    assert exe, "the `tenplex` console script is not installed"
+    done = subprocess.run([exe, "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["samples_match"] is True
+    assert last["max_loss_diff"] <= 1e-3
+    assert (tmp_path / "tenplex-demo" / "summary.json").exists()
 
 
 def test_short_demo_matches_the_static_run(tmp_path):
