@@ -49,8 +49,10 @@ class StoreReader:
         url: the checkpoint's URL.
         storage_options: fsspec options.
 
+    Implements :class:`~tenplex.store.source.ShardSource`.
+
     Attributes:
-        manifest, tree, config: as stored.
+        manifest, tree, config, meta: as stored.
         sharding: the stored layout.
         bytes_read: bytes fetched from shard files so far (thread-safe).
 
@@ -62,6 +64,7 @@ class StoreReader:
         self.root = url if isinstance(url, StoreRoot) else StoreRoot(url, storage_options)
         self.manifest = open_manifest(self.root)
         self.tree, self.config = self.manifest.tree, self.manifest.config
+        self.meta = self.manifest.meta
         self.sharding = Sharding(self.tree, self.config)
         self.bytes_read = 0
         self.requests = 0
