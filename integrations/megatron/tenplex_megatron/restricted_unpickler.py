@@ -357,8 +357,7 @@ class _Machine:
     def call(self, op: str, rule: Any, args: Any, kind: str) -> None:
         handler = getattr(rule, kind, None) if isinstance(rule, Rule) else None
         if handler is None:
-            target = rule if isinstance(rule, Rule) else type(rule).__name__
-            raise self.fail(f"{op} on {target} is not allowed")
+            raise self.fail(f"{op} on {rule!r:.60} is not allowed")
         if type(args) is not tuple:
             raise self.fail(f"{op} on {rule} with arguments of type {type(args).__name__}")
         try:

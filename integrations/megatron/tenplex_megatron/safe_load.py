@@ -86,7 +86,15 @@ class _NpArray:
     pass
 
 
-_NDARRAY = object()  # what GLOBAL numpy.ndarray pushes: only _reconstruct accepts it
+class _ValueOnly:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_NDARRAY = _ValueOnly("numpy.ndarray")  # what GLOBAL numpy.ndarray pushes: only _reconstruct takes it
 
 
 def _ints(value: Any, what: str, low: int = 0) -> tuple:
