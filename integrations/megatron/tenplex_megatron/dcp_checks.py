@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from tenplex.errors import CorruptShardError, ManifestError, PathError
 
-from tenplex_megatron.safe_load import MAX_NDIM, FileView, regular_file_size, tensor_header
+from tenplex_megatron.safe_load import (MAX_NDIM, FileView, open_regular, regular_file_size,
+                                        tensor_header)
 
 __all__ = ["MAX_OBJECT_BYTES", "MAX_CHUNK_PAIRS", "check_metadata", "item_file"]
 
@@ -139,7 +140,8 @@ def _check_chunks(key: str, item: TensorStorageMetadata, what: str) -> None:
         hit = np.all(lo[j] < hi[i], axis=1) & np.all(lo[i] < hi[j], axis=1)
         if hit.any():
             k = i + 1 + int(np.argmax(hit))
-            raise ManifestError(f"{what}: {key}: chunks at {tuple(lo[i])} and {tuple(lo[k])} overlap")
+            raise ManifestError(f"{what}: {key}: chunks at {tuple(lo[i].tolist())} and "
+                                f"{tuple(lo[k].tolist())} overlap")
 
 
 def _check_items(md: Metadata, root: str, what: str) -> None:
@@ -190,7 +192,8 @@ def _check_tensor_items(md: Metadata, root: str) -> None:
                 per_file.setdefault(info.relative_path, []).append((key, item, c, info))
     for relative_path, items in per_file.items():
         path, _ = item_file(root, relative_path)
-        with open(path, "rb") as f:
+        f, _ = open_regular(path, path)
+        with f:
             for key, item, c, info in sorted(items, key=lambda x: x[3].offset):
                 what = f"{path} [{key} at {tuple(c.offsets)}]"
                 dtype, shape = tensor_header(FileView(f, info.offset, info.length), what)

@@ -47,7 +47,7 @@ from tenplex.errors import CorruptShardError, ManifestError, UnsafePickleError
 from tenplex_megatron.dcp_checks import MAX_OBJECT_BYTES, check_metadata, item_file
 from tenplex_megatron.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.safe_load import (MAX_NDIM, TORCH_DTYPES, FileView, load_tensor,
-                                        regular_file_size, safe_load)
+                                        open_regular, safe_load)
 
 __all__ = ["SafeReader", "read_objects", "read_metadata", "ALLOWED_GLOBALS"]
 
@@ -176,15 +176,12 @@ def read_metadata(root: str) -> Metadata:
             another item's, or are longer than the stated maxima.
     """
     path = os.path.join(root, ".metadata")
-    try:
-        size = regular_file_size(path, path)
-    except CorruptShardError:
-        if not os.path.lexists(path):
-            raise ManifestError(f"{path}: DCP metadata is missing") from None
-        raise
-    if size > MAX_PICKLE_BYTES:
-        raise UnsafePickleError(f"{path}: {size} bytes (at most {MAX_PICKLE_BYTES} are read)")
-    with open(path, "rb") as f:
+    if not os.path.lexists(path):
+        raise ManifestError(f"{path}: DCP metadata is missing")
+    f, size = open_regular(path, path)
+    with f:
+        if size > MAX_PICKLE_BYTES:
+            raise UnsafePickleError(f"{path}: {size} bytes (at most {MAX_PICKLE_BYTES} are read)")
         data = f.read(size + 1)
     md = unpickle(data, _PROFILE, path)
     if type(md) is not Metadata:
@@ -211,6 +208,11 @@ class SafeReader(FileSystemReader):
     """
 
     _metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self._metadata = None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self._metadata is None:
@@ -251,8 +253,9 @@ class SafeReader(FileSystemReader):
             info = self.storage_data[req.storage_index]
             per_file.setdefault(info.relative_path, []).append((req, info))
         for relative_path, reqs in per_file.items():
-            path, size = item_file(root, relative_path)
-            with open(path, "rb") as f:
+            path, _ = item_file(root, relative_path)
+            f, size = open_regular(path, path)
+            with f:
                 for req, info in reqs:
                     _load_item(f, path, size, req, info, self._chunks[req.storage_index], planner)
         fut: Future = Future()
@@ -314,7 +317,8 @@ def read_objects(root: str, md: Metadata, prefix: str = "") -> dict:
         if info.length > MAX_OBJECT_BYTES:
             raise CorruptShardError(f"{what}: a byte object of {info.length} bytes (at most "
                                     f"{MAX_OBJECT_BYTES})")
-        with open(path, "rb") as f:
+        f, _ = open_regular(path, path)
+        with f:
             f.seek(info.offset)
             data = f.read(info.length)
         if len(data) != info.length:

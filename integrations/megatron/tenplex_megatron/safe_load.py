@@ -40,7 +40,7 @@ from tenplex_megatron.restricted_unpickler import (MAX_PICKLE_BYTES, Profile, Re
                                                    unpickle)
 
 __all__ = ["safe_load", "load_tensor", "tensor_header", "FileView", "ALLOWED_GLOBALS", "TORCH_SAFE_GLOBALS", "MAX_NDIM",
-           "TORCH_DTYPES", "regular_file_size"]
+           "TORCH_DTYPES", "regular_file_size", "open_regular"]
 
 MAX_NDIM = 32
 """The most dimensions a tensor or array may claim."""
@@ -51,7 +51,7 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in (
     if isinstance(getattr(torch, name, None), torch.dtype)}
 """``torch.<name>`` dtypes a file may name, as values (they cannot be called)."""
 
-_NP_CODES = ("b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8")
+_NP_CODES = ("u4",)  # np.random.get_state()'s MT19937 key: the only NumPy array in a Megatron file
 _STORAGE_TYPES = {  # torch.save names a storage's dtype by its legacy storage class
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
     "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
@@ -323,6 +323,29 @@ class FileView(io.RawIOBase):
         return got
 
 
+def open_regular(path: str, what: str):
+    """Open the regular file at ``path`` for reading: ``(binary file, size in bytes)``.
+
+    The file is opened non-blocking and checked with ``fstat`` on the open
+    descriptor, so a FIFO swapped in after a check cannot block the read.
+
+    Raises:
+        CorruptShardError: ``path`` is missing, unreadable or not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CorruptShardError(f"{what}: file is missing") from None
+    except OSError as exc:
+        raise CorruptShardError(f"{what}: cannot open it ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CorruptShardError(f"{what}: not a regular file (mode {stat.filemode(st.st_mode)})")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb"), st.st_size
+
+
 def _stream_size(f) -> int:
     here = f.tell()
     size = f.seek(0, io.SEEK_END)
@@ -335,7 +358,7 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
     start = f.tell()
     try:
         archive = torch._C.PyTorchFileReader(f)
-    except RuntimeError as exc:
+    except (RuntimeError, OSError, ValueError) as exc:  # torch's zip reader, seeking a cut file
         raise CorruptShardError(f"{what}: not a torch zip archive ({str(exc).splitlines()[0]}); tenplex "
                                 "reads torch.save's zip format only") from None
     if archive.has_record("constants.pkl"):
@@ -349,6 +372,8 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
             raise CorruptShardError(f"{what}: record {name} claims {n} bytes in a file of {size}")
         return n
 
+    for name in archive.get_all_records():  # torch.load reads several; none may be a zip bomb
+        record_size(name)
     if record_size("data.pkl") > MAX_PICKLE_BYTES:
         raise UnsafePickleError(f"{what}: data.pkl is larger than {MAX_PICKLE_BYTES} bytes")
     storages: dict[str, _Storage] = {}
@@ -418,8 +443,8 @@ def safe_load(path, what: str | None = None, *, mmap: bool = False) -> Any:
     """
     what = what or str(path)
     if isinstance(path, (str, os.PathLike)):
-        size = regular_file_size(os.fspath(path), what)
-        with open(path, "rb") as f:
+        f, size = open_regular(os.fspath(path), what)
+        with f:
             _validate(f, size, what, ALLOWED_GLOBALS)
             return _torch_load(os.fspath(path) if mmap else f, what, mmap)
     if mmap:
