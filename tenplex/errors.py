@@ -16,6 +16,7 @@ either. Messages name the object, what was expected and what was found.
     ├── PlanError(ValueError)          a malformed or mismatched plan
     ├── StoreError(OSError)            storage failures
     │   ├── ManifestError              missing, malformed or unknown-version manifest
+    │   │   └── UnsafePickleError      a pickle that asks for what the allow-list refuses
     │   ├── CorruptShardError          checksum mismatch, truncated or missing shard file
     │   └── AlreadyExistsError         a committed checkpoint would be overwritten
     └── TransferError(RuntimeError)    a peer failed or timed out during a transfer
@@ -34,6 +35,7 @@ __all__ = [
     "PlanError",
     "StoreError",
     "ManifestError",
+    "UnsafePickleError",
     "CorruptShardError",
     "AlreadyExistsError",
     "TransferError",
@@ -87,6 +89,15 @@ class StoreError(TenplexError, OSError):
 
 class ManifestError(StoreError):
     """A manifest that is missing, malformed, or of an unknown format version."""
+
+
+class UnsafePickleError(ManifestError):
+    """A checkpoint file whose pickle tenplex refuses to load.
+
+    A global outside the exact allow-list, a call or state that the allowed
+    global does not take, an opcode outside the accepted set, or a stream
+    that is truncated or lies about a length. Nothing from the file has run.
+    """
 
 
 class CorruptShardError(StoreError):
