@@ -1,4 +1,4 @@
-"""The public checkpoint API: save, load, reshard, assemble, verify."""
+"""The public checkpoint API: save, load, load_global, reshard, verify."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch
 
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import assemble as assemble_shards
-from tenplex.store.blocks import digest
+from tenplex.store.blocks import DEFAULT_BLOCK, digest
 from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.store.reader import StoreReader
 from tenplex.store.writer import StoreWriter, save
 from tenplex.transform.plan import Totals
 from tenplex.transform.planner import make_plan
 
-__all__ = ["save", "load", "reshard", "assemble", "verify", "ReshardReport"]
+__all__ = ["save", "load", "reshard", "load_global", "verify", "ReshardReport"]
 
 
 @dataclass
@@ -108,7 +108,7 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
         runner.close()
 
 
-def assemble(url: str, *, storage_options: dict | None = None) -> dict[str, Any]:
+def load_global(url: str, *, storage_options: dict | None = None) -> dict[str, Any]:
     """The global state of the checkpoint at ``url``: ``{path: logical tensor or value}``.
 
     Tensors have their logical shapes (padding rows dropped). Values are as
@@ -124,8 +124,8 @@ def assemble(url: str, *, storage_options: dict | None = None) -> dict[str, Any]
 
 
 def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | None = None,
-            threads: int = 8, progress: Callable[[int, int], None] | None = None,
-            events=None) -> ReshardReport:
+            threads: int = 8, block: int = DEFAULT_BLOCK,
+            progress: Callable[[int, int], None] | None = None, events=None) -> ReshardReport:
     """Convert the checkpoint at ``src`` to config ``to``, written atomically at ``dst``.
 
     Only the needed byte ranges are read (once each), in parallel; output
@@ -137,6 +137,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
         to: the target config.
         storage_options: fsspec options for both URLs.
         threads: stored tensors fetched at once.
+        block: the target's checksum block size, in bytes.
         progress: ``progress(done_bytes, total_bytes)`` as data is written.
         events: the writer's low-level ``events(event, nbytes)`` callback
             (see :data:`tenplex.store.writer.Progress`).
@@ -155,7 +156,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
     plan = make_plan(tree, reader.config, to)
     runner = StorePlanRunner(reader, plan, threads)
     with StoreWriter(dst, tree, to, storage_options=storage_options,
-                     meta=reader.manifest.meta, progress=events) as writer:
+                     meta=reader.manifest.meta, block=block, progress=events) as writer:
         entries = writer.entries()
         storing: dict[str, list[int]] = {}
         for rank, items in entries.items():
@@ -188,7 +189,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
                          writer.bytes_written, time.perf_counter() - start, plan.totals, padding)
 
 
-def verify(url: str, *, storage_options: dict | None = None) -> dict:
+def verify(url: str, *, storage_options: dict | None = None, progress=None) -> dict:
     """Check every shard file's size and every block checksum, and the manifest's consistency.
 
     Returns:

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from tenplex.api import assemble, reshard, save, verify
+from tenplex.api import load_global, reshard, save, verify
 from tenplex.errors import ManifestError
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
@@ -73,7 +73,7 @@ def test_killed_save_leaves_previous_checkpoint_and_nothing_visible(tmp_path):
         target = str(tmp_path / f"step2-{kill_at}")
         assert _run(_save_child, target, kill_at) == -signal.SIGKILL
         verify(str(tmp_path / "step1"))
-        got = assemble(str(tmp_path / "step1"))
+        got = load_global(str(tmp_path / "step1"))
         assert all(bitwise_equal(got[p], state[p]) for p, _ in tree.tensors())
         committed = events[kill_at - 1] == "committed"
         if committed:
@@ -84,7 +84,7 @@ def test_killed_save_leaves_previous_checkpoint_and_nothing_visible(tmp_path):
             # a rerun succeeds
             _, state2, shards2 = _shards(seed=2)
             save(target, tree, A, shards2)
-            assert bitwise_equal(assemble(target)["model/final_norm/weight"],
+            assert bitwise_equal(load_global(target)["model/final_norm/weight"],
                                  state2["model/final_norm/weight"])
 
 
@@ -100,5 +100,5 @@ def test_killed_reshard_leaves_source_intact(tmp_path):
             with pytest.raises(ManifestError):
                 StoreReader(dst)
             reshard(src, dst, P(dp=1, tp=1, pp=2))
-        got = assemble(dst)
+        got = load_global(dst)
         assert all(bitwise_equal(got[p], state[p]) for p, _ in tree.tensors())

@@ -11,10 +11,14 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-__all__ = ["DEFAULT_BLOCK", "BlockHasher", "digest", "box_runs", "needed_blocks", "coalesce"]
+__all__ = ["DEFAULT_BLOCK", "MERGE_GAP", "BlockHasher", "digest", "box_runs", "needed_blocks", "coalesce"]
 
 DEFAULT_BLOCK = 1 << 20
 """Checksum block size in bytes (1 MiB)."""
+
+MERGE_GAP = 1 << 16
+"""Runs of needed blocks closer than this many bytes are fetched in one request (64 KiB):
+one request costs about as much as reading this many bytes more, on object stores."""
 
 
 def digest(data) -> str:
@@ -90,11 +94,17 @@ def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: i
     return np.nonzero(np.cumsum(marks[:-1]) > 0)[0]
 
 
-def coalesce(blocks: np.ndarray) -> list[tuple[int, int]]:
-    """Runs ``[(first, last + 1), ...]`` of consecutive block indices."""
+def coalesce(blocks: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
+    """Runs ``[(first, last + 1), ...]`` of ascending block indices, one request each.
+
+    Args:
+        blocks: block indices, ascending, unique (int64).
+        max_gap: runs separated by at most this many unneeded blocks are
+            merged (the gap is read too: one request instead of two).
+    """
     if len(blocks) == 0:
         return []
-    breaks = np.nonzero(np.diff(blocks) > 1)[0]
+    breaks = np.nonzero(np.diff(blocks) > max_gap + 1)[0]
     firsts = np.concatenate(([blocks[0]], blocks[breaks + 1]))
     lasts = np.concatenate((blocks[breaks], [blocks[-1]]))
     return list(zip(firsts.tolist(), (lasts + 1).tolist()))

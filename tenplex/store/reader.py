@@ -17,7 +17,7 @@ import torch
 from tenplex.errors import CorruptShardError, ManifestError
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
-from tenplex.store.blocks import coalesce, digest, needed_blocks
+from tenplex.store.blocks import MERGE_GAP, coalesce, digest, needed_blocks
 from tenplex.store.manifest import MANIFEST, Manifest, TensorRecord
 from tenplex.store.url import StoreRoot, translate_errors
 
@@ -159,7 +159,7 @@ class StoreReader:
                     self._cache.move_to_end((rec.file, b))
                     a = b * frec.block - span_start
                     span[a: a + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            runs = coalesce(np.asarray(missing, dtype=np.int64))
+            runs = coalesce(np.asarray(missing, dtype=np.int64), MERGE_GAP // frec.block)
             if runs:
                 self._fetch(rec, frec, runs, span, span_start)
 
