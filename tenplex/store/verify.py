@@ -118,4 +118,4 @@ def _chunks(reader: StoreReader, key: str, size: int):
                     yield buf[:n]
             return
         for start in range(0, size, CHUNK):
-            yield root.fs.cat_file(root.key(key), start, min(start + CHUNK, size))
+            yield root.fs.cat_file(root.key(key), start=start, end=min(start + CHUNK, size))

@@ -9,7 +9,9 @@ from tenplex.errors import AlreadyExistsError, ManifestError, ShardError
 from tenplex.store import StoreReader, StoreWriter
 
 from .fixtures import StoreFixtures
-from .helpers import SRC, assert_same_global, listing, read_bytes
+from tenplex.store.values import gather_values
+
+from .helpers import SPEC, SRC, assert_same_global, fs_path, listing, read_bytes, state_of
 
 
 class CommitSuite(StoreFixtures):
@@ -46,3 +48,58 @@ class CommitSuite(StoreFixtures):
         with pytest.raises(ShardError, match=f"tensor {path}: expected .* bfloat16, found .* float32"):
             save(f"{root}/ck", tree, SRC, bad)
         assert listing(f"{root}/ck") == []
+
+    def _fill(self, writer, shards) -> None:
+        for rank, entries in writer.entries().items():
+            for path, _, _ in entries:
+                writer.write(rank, path, shards[rank][path])
+
+    def test_a_second_writer_never_replaces_the_first_commit(self, root, state):
+        """Two writers at one URL: the first commit wins, the other fails and removes its files."""
+        tree, st, shards = state
+        other = state_of(SPEC, SRC, 8)
+        first, second = StoreWriter(f"{root}/ck", tree, SRC), StoreWriter(f"{root}/ck", tree, SRC)
+        self._fill(first, shards)
+        self._fill(second, other[2])
+        first.commit(gather_values(tree, SRC, shards))
+        committed, files = read_bytes(f"{root}/ck/manifest.json"), listing(f"{root}/ck")
+        with pytest.raises(AlreadyExistsError, match="another writer committed a checkpoint here first"):
+            with second:
+                second.commit(gather_values(tree, SRC, other[2]))
+        assert read_bytes(f"{root}/ck/manifest.json") == committed
+        assert listing(f"{root}/ck") == [f for f in files if second.token not in f]
+        assert not any(second.token in f for f in listing(f"{root}/ck"))
+        verify(f"{root}/ck", progress=False)
+        assert_same_global(tree, st, load_global(f"{root}/ck"))
+
+    def test_abort_removes_only_this_writers_files(self, root, state):
+        tree, st, shards = state
+        stranger = f"{root}/ck/shards/notes.txt"
+        fs, path = fs_path(stranger)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, b"not tenplex's")
+        kept = StoreWriter(f"{root}/ck", tree, SRC)  # an interrupted save: its files stay
+        self._fill(kept, shards)
+        before = listing(f"{root}/ck")
+        doomed = StoreWriter(f"{root}/ck", tree, SRC)
+        rank, entries = next(iter(doomed.entries().items()))
+        doomed.write(rank, entries[0][0], shards[rank][entries[0][0]])  # one file left open
+        self._fill_rank(doomed, shards, rank=max(doomed.entries()))
+        doomed.abort()
+        assert listing(f"{root}/ck") == before
+        assert read_bytes(stranger) == b"not tenplex's"
+        save(f"{root}/ck", tree, SRC, shards)  # a save beside both keeps them too
+        assert set(before) <= set(listing(f"{root}/ck"))
+        assert not any("manifest.json.tmp" in f for f in listing(f"{root}/ck"))
+
+    def _fill_rank(self, writer, shards, rank) -> None:
+        for path, _, _ in writer.entries()[rank]:
+            writer.write(rank, path, shards[rank][path])
+
+    def test_progress_reports_bytes_written(self, root, state):
+        tree, st, shards = state
+        calls = []
+        save(f"{root}/ck", tree, SRC, shards, progress=lambda done, total: calls.append((done, total)))
+        stored = sum(r.nbytes for r in StoreReader(f"{root}/ck").manifest.tensors.values())
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+        assert calls[-1] == (stored, stored) and {t for _, t in calls} == {stored}
