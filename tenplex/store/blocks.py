@@ -86,6 +86,8 @@ def box_runs(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, 
 def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: int) -> np.ndarray:
     """Indices (ascending) of the ``block``-byte blocks that byte ranges ``[starts, ends)`` touch."""
     nblocks = -(-file_size // block)
+    keep = ends > starts  # an empty run touches no block
+    starts, ends = starts[keep], ends[keep]
     if len(starts) == 0 or nblocks == 0:
         return np.zeros(0, dtype=np.int64)
     marks = np.zeros(nblocks + 1, dtype=np.int64)

@@ -105,7 +105,7 @@ class _FileWriter:
                              f"{str(parts[0].dtype).removeprefix('torch.')}")
         total = 0
         for part in parts:
-            data = part.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+            data = part.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
             self._write(data)
             total += data.nbytes
         self.next += 1
