@@ -129,3 +129,28 @@ def test_console_refuses(name, pristine, tmp_path):
     assert not (tmp_path / "out").exists()
     if level == "manifest":
         _check_process(_cli("inspect", str(root)), pattern)
+
+
+def test_reshard_of_corrupt_data_leaves_nothing_at_the_destination(pristine, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A flipped byte deep in a tensor is found mid-reshard: the files written so far are removed."""
+    import tenplex.store.writer as writer_module
+    written, abort = [], writer_module.StoreWriter.abort
+
+    def recording_abort(self):
+        written.extend((tmp_path / "out" / "shards").iterdir())
+        abort(self)
+
+    monkeypatch.setattr(writer_module.StoreWriter, "abort", recording_abort)
+    root = tmp_path / "flipped"
+    shutil.copytree(pristine, root)
+    reader = StoreReader(str(root))
+    last = max(reader.manifest.tensors.values(), key=lambda r: (r.file, r.offset))
+    data = bytearray((root / last.file).read_bytes())
+    data[last.offset + last.nbytes // 2] ^= 0xFF
+    (root / last.file).write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert main(["reshard", str(root), str(out), "--to", "dp=1,tp=1,pp=2"]) == 1
+    _one_line(capsys, rf"{last.file}: checksum mismatch in block \d+ .* holding .*{last.path}")
+    assert written  # target files had been written when the corruption was found
+    assert not out.exists()
