@@ -2,20 +2,44 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tenplex.api import load_global, save, verify
 from tenplex.errors import AlreadyExistsError, ManifestError, ShardError
-from tenplex.store import StoreReader, StoreWriter
-
-from .fixtures import StoreFixtures
+from tenplex.store import StoreReader, StoreRoot, StoreWriter
+from tenplex.store.commit import commit_manifest
 from tenplex.store.values import gather_values
 
+from .fixtures import StoreFixtures
 from .helpers import SPEC, SRC, assert_same_global, fs_path, listing, read_bytes, state_of
 
 
 class CommitSuite(StoreFixtures):
-    """The commit protocol."""
+    """The commit protocol.
+
+    ``atomic_create``: whether the backend creates the manifest atomically
+    (a no-replace link, or a conditional PUT), rather than by check-then-put.
+    """
+
+    atomic_create = True
+
+    def test_commit_never_replaces_even_when_the_existence_check_misses(self, root, state,
+                                                                       monkeypatch):
+        """The race window of check-then-put, forced open: the create itself must refuse."""
+        if not self.atomic_create:
+            pytest.skip("this backend creates by check-then-put")
+        tree, st, shards = state
+        save(f"{root}/ck", tree, SRC, shards)
+        committed = read_bytes(f"{root}/ck/manifest.json")
+        store = StoreRoot(f"{root}/ck")
+        monkeypatch.setattr(type(store.fs), "exists", lambda self, path, **kw: False)
+        monkeypatch.setattr(os.path, "exists", lambda path: False)
+        with pytest.raises(AlreadyExistsError, match="another writer committed"):
+            commit_manifest(store, b'{"format": "not this one"}')
+        monkeypatch.undo()
+        assert read_bytes(f"{root}/ck/manifest.json") == committed
 
     def test_never_overwrites_a_committed_checkpoint(self, root, state):
         tree, st, shards = state

@@ -103,3 +103,22 @@ def test_without_hard_links_a_commit_still_never_replaces(tmp_path, monkeypatch)
     assert (tmp_path / "ck" / "manifest.json").read_bytes() == committed
     assert sorted(os.listdir(tmp_path / "ck")) == ["manifest.json", "shards"]
     assert_same_global(tree, st, load_global(url))
+
+
+def test_backends_without_conditional_writes_check_put_and_reread(monkeypatch):
+    """The generic path (no conditional create): a committed manifest is refused, a new one put."""
+    import uuid
+
+    import fsspec
+
+    from tenplex.store import StoreRoot
+    monkeypatch.setattr(commit_module, "CONDITIONAL", ())
+    url = f"memory://tenplex-generic-{uuid.uuid4().hex}"
+    try:
+        root = StoreRoot(url)
+        commit_module.commit_manifest(root, b"first")
+        with pytest.raises(AlreadyExistsError, match="another writer committed"):
+            commit_module.commit_manifest(root, b"second")
+        assert root.fs.cat_file(root.key("manifest.json")) == b"first"
+    finally:
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
