@@ -6,7 +6,7 @@ the first commit wins and the other gets
 :class:`~tenplex.errors.AlreadyExistsError`, whatever the backend:
 
 - **Local filesystems**: the shard files were fsynced when closed; the
-  ``shards/`` directory and the root are fsynced, the manifest is written to
+  ``shards/`` directory, the root and the root's parent are fsynced, the manifest is written to
   ``manifest.json.tmp-<uuid>`` and fsynced, then hard-linked to
   ``manifest.json`` (``link`` fails if the name exists: a no-replace
   rename), the temporary is removed and the root fsynced again. Where the
@@ -90,9 +90,8 @@ def _exists(where: str) -> AlreadyExistsError:
 def _commit_local(root: StoreRoot, data: bytes, where: str) -> None:
     final = root.key(MANIFEST)
     tmp = root.key(temp_name())
-    for sub in ("shards", ""):
-        path = root.key(sub) if sub else root.path
-        if os.path.isdir(path):
+    for path in (root.key("shards"), root.path, os.path.dirname(root.path)):
+        if path and os.path.isdir(path):  # the names of the files, of shards/ and of the root
             fsync_dir(path)
     with open(tmp, "xb") as f:
         f.write(data)
