@@ -217,11 +217,6 @@ class StoreWriter:
             if self.progress:
                 self.progress(self.bytes_written, self.total)
 
-    def open_files(self) -> int:
-        """Shard files open now (started and not finished)."""
-        with self._lock:
-            return len(self._files)
-
     def records(self) -> dict[str, FileRecord]:
         """The shard files this writer has closed: ``{key: FileRecord}``."""
         with self._lock:
