@@ -185,7 +185,7 @@ def verify(url: str, *, storage_options: dict | None = None, threads: int = 4,
         storage_options: fsspec options.
         threads: files verified at once.
         progress: ``progress(done_bytes, total_bytes)``; ``None`` shows a tqdm
-            bar on stderr when it is a terminal; ``False`` shows nothing.
+            bar on stderr when it is a terminal, ``True`` always; ``False`` shows nothing.
 
     Returns:
         ``{"files": n, "bytes": n, "tensors": n}`` on success (bytes of shard files).
@@ -196,10 +196,10 @@ def verify(url: str, *, storage_options: dict | None = None, threads: int = 4,
             that lies, naming the file.
     """
     reader = StoreReader(url, storage_options)
-    if progress is not None:
+    if progress is False or callable(progress):
         return verify_store(reader, threads=threads, progress=progress or None)
-    with tqdm(total=0, unit="B", unit_scale=True, desc="verify", disable=None,
-              file=sys.stderr) as bar:
+    with tqdm(total=0, unit="B", unit_scale=True, desc="verify", disable=None if progress is None
+              else False, file=sys.stderr) as bar:
         def show(done: int, total: int) -> None:
             bar.total, bar.n = total, done
             bar.refresh()
