@@ -37,7 +37,7 @@ even chunking when tp divides heads) and a vocabulary that is a multiple of
 ``128 * 4`` (padded == logical at tp = 1, 2, 4). DCP moves tensors only;
 tenplex also moves the value leaves (step, rng, ...), which are tiny.
 
-Correctness: after each tenplex reshard, ``tenplex.api.assemble(dst)``
+Correctness: after each tenplex reshard, ``tenplex.api.load_global(dst)``
 is compared with the original global state bit for bit (every leaf); for
 DCP, a few leaves per target rank are compared with
 ``materialize(tree, state, target, rank)``.
@@ -306,7 +306,7 @@ def check_tenplex(dst: str, state) -> int:
     from tenplex import api
     from tenplex.ptree.shards import bitwise_equal
 
-    out = api.assemble(dst)
+    out = api.load_global(dst)
     n = 0
     for path, expected in state.items():
         if hasattr(expected, "dtype"):
@@ -369,7 +369,7 @@ def run_storage(label: str, root: str, spec, tree, state, repeat: int) -> dict:
             sizes = [os.path.getsize(p) for p in glob.glob(os.path.join(dst, "shards", "*"))]
             if rep == 0:
                 n = check_tenplex(dst, state)
-                print(f"[{label}] {name}: tenplex assemble == original, {n} tensor leaves "
+                print(f"[{label}] {name}: tenplex load_global == original, {n} tensor leaves "
                       "bit for bit", flush=True)
                 gc.collect()
             rm(dst)

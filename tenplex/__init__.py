@@ -15,7 +15,7 @@ from tenplex.ptree import (Box, Coord, DPShard, FlatBuffer, Layout, Padding, Par
 from tenplex.transform import (Device, ExecStats, Link, OpKind, Placement, Plan, execute_local,
                                make_plan)
 
-from tenplex.api import ReshardReport, assemble, load, reshard, save, verify
+from tenplex.api import ReshardReport, load, load_global, reshard, save, verify
 from tenplex import models
 from tenplex.elastic import ReconfigureReport, reconfigure, recover, stage
 
@@ -27,6 +27,6 @@ __all__ = [
     "MissingDataError", "OpKind", "PTree", "Padding", "ParallelConfig", "PathError", "Placement",
     "Plan", "PlanError", "ReplicaMismatchError", "Scope", "ShardError", "Sharding", "Split",
     "Stage", "StageKind", "StoreError", "TenplexError", "TensorLeaf", "TransferError",
-    "ValueLeaf", "ReshardReport", "assemble", "execute_local", "load", "make_plan", "materialize",
+    "ValueLeaf", "ReshardReport", "execute_local", "load", "load_global", "make_plan", "materialize",
     "models", "reshard", "save", "verify", "ReconfigureReport", "reconfigure", "recover", "stage",
 ]

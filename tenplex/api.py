@@ -1,24 +1,31 @@
-"""The public checkpoint API: save, load, reshard, assemble, verify."""
+"""The public checkpoint API: save, load, load_global, reshard, verify."""
 
 from __future__ import annotations
 
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
 
 from tenplex.ptree.config import ParallelConfig
-from tenplex.ptree.shards import assemble as assemble_shards
-from tenplex.store.blocks import digest
+from tenplex.ptree.shards import assemble
+from tenplex.store.blocks import DEFAULT_BLOCK
 from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.store.reader import StoreReader
+from tenplex.store.stream import MAX_OPEN_FILES, stream_targets
+from tenplex.store.verify import verify_store
 from tenplex.store.writer import StoreWriter, save
 from tenplex.transform.plan import Totals
 from tenplex.transform.planner import make_plan
+from tenplex.units import format_bytes
 
-__all__ = ["save", "load", "reshard", "assemble", "verify", "ReshardReport"]
+__all__ = ["save", "load", "load_global", "reshard", "verify", "ReshardReport"]
+
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, as everywhere in tenplex."""
 
 
 @dataclass
@@ -31,7 +38,7 @@ class ReshardReport:
         bytes_needed: unique source bytes the plan reads.
         bytes_written: tensor bytes written to the target.
         seconds: wall time, in seconds.
-        plan: the plan's byte totals.
+        totals: the plan's byte totals.
         padding: one line per padded axis whose padded length changed.
     """
 
@@ -41,14 +48,15 @@ class ReshardReport:
     bytes_needed: int
     bytes_written: int
     seconds: float
-    plan: Totals
+    totals: Totals
     padding: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        """One line: bytes read, needed and written, seconds and GB/s."""
         gbps = (self.bytes_read + self.bytes_written) / max(self.seconds, 1e-9) / 1e9
-        return (f"resharded {self.src} -> {self.dst}: read {_size(self.bytes_read)} "
-                f"(needed {_size(self.bytes_needed)}), wrote {_size(self.bytes_written)} "
-                f"in {self.seconds:.2f} s ({gbps:.2f} GB/s)")
+        return (f"resharded {self.src} -> {self.dst}: read {format_bytes(self.bytes_read)} "
+                f"(needed {format_bytes(self.bytes_needed)}), wrote "
+                f"{format_bytes(self.bytes_written)} in {self.seconds:.2f} s ({gbps:.2f} GB/s)")
 
 
 def _joined(t, shape) -> torch.Tensor:
@@ -56,19 +64,6 @@ def _joined(t, shape) -> torch.Tensor:
     if isinstance(t, (list, tuple)):
         return torch.cat([p.reshape(-1) for p in t]).view(shape)
     return t
-
-
-def _nbytes(t) -> int:
-    parts = t if isinstance(t, (list, tuple)) else [t]
-    return sum(p.numel() * p.element_size() for p in parts)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n}"
 
 
 def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
@@ -88,8 +83,9 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
         ``{path: local tensor or value}`` for every leaf the rank holds.
 
     Raises:
-        ManifestError: not a committed checkpoint, or a bad manifest.
-        CorruptShardError: a missing, truncated or corrupted shard file.
+        ManifestError: not a committed checkpoint, or a manifest that lies.
+        CorruptShardError: a missing, truncated or corrupted shard file, or
+            one whose safetensors header disagrees with the manifest.
         ConfigError: ``config`` cannot hold the tree.
     """
     reader = StoreReader(url, storage_options)
@@ -99,7 +95,7 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
     runner = StorePlanRunner(reader, plan, threads)
     try:
         out: dict[str, Any] = {}
-        for path, leaf in reader.tree.tensors():
+        for path, _ in reader.tree.tensors():
             for t in runner.leaf(path, [rank]).values():
                 out[path] = _joined(t, runner.D.holding(path, config.coord(rank)).shape)
         out.update(target_values(reader.tree, plan, reader, [rank])[rank])
@@ -108,28 +104,34 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
         runner.close()
 
 
-def assemble(url: str, *, storage_options: dict | None = None) -> dict[str, Any]:
+def load_global(url: str, *, storage_options: dict | None = None) -> dict[str, Any]:
     """The global state of the checkpoint at ``url``: ``{path: logical tensor or value}``.
 
     Tensors have their logical shapes (padding rows dropped). Values are as
-    stored (``{key: value}`` for scoped leaves).
+    stored (``{key: value}`` for scoped leaves). Not to be confused with
+    :func:`tenplex.ptree.assemble`, which assembles shards held in memory.
+
+    Raises:
+        ManifestError, CorruptShardError: as :func:`load`.
     """
     reader = StoreReader(url, storage_options)
     single = ParallelConfig()
     shards = load(url, single, 0, storage_options=storage_options)
-    out = assemble_shards(reader.tree, single, {0: shards})
+    out = assemble(reader.tree, single, {0: shards})
     for path, _ in reader.tree.values():
         out[path] = reader.manifest.values[path]
     return out
 
 
 def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | None = None,
-            threads: int = 8, progress: Callable[[int, int], None] | None = None,
-            events=None) -> ReshardReport:
+            threads: int = 8, block: int = DEFAULT_BLOCK, max_open_files: int = MAX_OPEN_FILES,
+            progress: Progress | None = None) -> ReshardReport:
     """Convert the checkpoint at ``src`` to config ``to``, written atomically at ``dst``.
 
-    Only the needed byte ranges are read (once each), in parallel; output
-    files are streamed and the manifest is written last.
+    The source's manifest and every shard file's size and header are checked
+    before anything is written. Only the needed byte ranges are read, in
+    parallel; output files are streamed, at most ``max_open_files`` at once,
+    and the manifest is written last.
 
     Args:
         src: the source checkpoint.
@@ -137,50 +139,33 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
         to: the target config.
         storage_options: fsspec options for both URLs.
         threads: stored tensors fetched at once.
-        progress: ``progress(done_bytes, total_bytes)`` as data is written.
-        events: the writer's low-level ``events(event, nbytes)`` callback
-            (see :data:`tenplex.store.writer.Progress`).
+        block: the target's checksum block size, in bytes.
+        max_open_files: target shard files open at once.
+        progress: ``progress(done_bytes, total_bytes)``: target tensor bytes written.
 
     Returns:
         A :class:`ReshardReport`.
 
     Raises:
         ConfigError: ``to`` cannot hold the tree.
-        AlreadyExistsError: ``dst`` holds a committed checkpoint.
-        ManifestError, CorruptShardError: a bad source; nothing is committed at ``dst``.
+        AlreadyExistsError: ``dst`` holds a committed checkpoint, or another
+            writer committed there first.
+        ManifestError, CorruptShardError: a bad source; nothing is committed at
+            ``dst``, and what this reshard wrote there is removed.
     """
     start = time.perf_counter()
     reader = StoreReader(src, storage_options)
+    reader.check_files(threads)
     tree = reader.tree
     plan = make_plan(tree, reader.config, to)
     runner = StorePlanRunner(reader, plan, threads)
-    with StoreWriter(dst, tree, to, storage_options=storage_options,
-                     meta=reader.manifest.meta, progress=events) as writer:
-        entries = writer.entries()
-        storing: dict[str, list[int]] = {}
-        for rank, items in entries.items():
-            for path, _, _ in items:
-                storing.setdefault(path, []).append(rank)
-        total = sum(e.nbytes for items in entries.values() for e in items)
-        done = 0
-        with ThreadPoolExecutor(max_workers=2) as builder, \
-                ThreadPoolExecutor(max_workers=max(1, threads)) as io:
-            paths = [p for p, _ in tree.tensors()]
-            futures = {}
-            for i, path in enumerate(paths[:2]):
-                futures[i] = builder.submit(runner.leaf, path, storing.get(path, []))
-            for i, path in enumerate(paths):
-                tensors = futures.pop(i).result()
-                if i + 2 < len(paths):
-                    nxt = paths[i + 2]
-                    futures[i + 2] = builder.submit(runner.leaf, nxt, storing.get(nxt, []))
-                list(io.map(lambda item: writer.write(item[0], path, item[1]),
-                            sorted(tensors.items())))
-                done += sum(_nbytes(t) for t in tensors.values())
-                if progress:
-                    progress(done, total)
-        writer.commit(target_values(tree, plan, reader))
-    runner.close()
+    try:
+        with StoreWriter(dst, tree, to, storage_options=storage_options, meta=reader.manifest.meta,
+                         block=block, progress=progress) as writer:
+            stream_targets(runner, writer, threads=threads, max_open_files=max_open_files)
+            writer.commit(target_values(tree, plan, reader))
+    finally:
+        runner.close()
     padding = [f"{p.path}: axis {p.axis} padded {p.src_padded} -> {p.dst_padded} "
                f"(logical {p.logical}; {p.created} rows zero-filled, {p.dropped} dropped)"
                for p in plan.padding]
@@ -188,25 +173,35 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
                          writer.bytes_written, time.perf_counter() - start, plan.totals, padding)
 
 
-def verify(url: str, *, storage_options: dict | None = None) -> dict:
-    """Check every shard file's size and every block checksum, and the manifest's consistency.
+def verify(url: str, *, storage_options: dict | None = None, threads: int = 4,
+           progress: Progress | bool | None = None) -> dict:
+    """Check the manifest, every shard file's size and header, and every block checksum.
+
+    Files are streamed block by block, ``threads`` at once, in bounded memory
+    (see :mod:`tenplex.store.verify`).
+
+    Args:
+        url: the checkpoint.
+        storage_options: fsspec options.
+        threads: files verified at once.
+        progress: ``progress(done_bytes, total_bytes)``; ``None`` shows a tqdm
+            bar on stderr when it is a terminal, ``True`` always; ``False`` shows nothing.
 
     Returns:
-        ``{"files": n, "bytes": n, "tensors": n}`` on success.
+        ``{"files": n, "bytes": n, "tensors": n}`` on success (bytes of shard files).
 
     Raises:
-        ManifestError: a bad manifest.
-        CorruptShardError: a missing, truncated or corrupted file, naming it.
+        ManifestError: a manifest that lies, naming the field.
+        CorruptShardError: a missing, truncated or corrupted file, or a header
+            that lies, naming the file.
     """
     reader = StoreReader(url, storage_options)
-    total = 0
-    for key, frec in reader.manifest.files.items():
-        reader.check_file(key)
-        data = reader.root.fs.cat_file(reader.root.key(key))
-        for index in range(len(frec.digests)):
-            part = memoryview(data)[index * frec.block:(index + 1) * frec.block]
-            if digest(part) != frec.digests[index]:
-                raise reader.mismatch(key, index, digest(part))
-        total += frec.size
-    return {"files": len(reader.manifest.files), "bytes": total,
-            "tensors": len(reader.manifest.tensors)}
+    if progress is False or callable(progress):
+        return verify_store(reader, threads=threads, progress=progress or None)
+    with tqdm(total=0, unit="B", unit_scale=True, desc="verify", disable=None if progress is None
+              else False, file=sys.stderr) as bar:
+        def show(done: int, total: int) -> None:
+            bar.total, bar.n = total, done
+            bar.refresh()
+
+        return verify_store(reader, threads=threads, progress=show)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strategies import tree_and_configs
-from tenplex.api import assemble, save
+from tenplex.api import load_global, save
 from tenplex.cli.main import main
 from tenplex.models import random_state
 from tenplex.ptree import materialize
@@ -22,7 +22,7 @@ def test_reshard_round_trip_through_the_cli(tmp_path_factory, args, seed):
     state = random_state(tree, a, seed % 1000)
     save(str(tmp / "src"), tree, a, {r: materialize(tree, state, a, r) for r in range(a.world_size)})
     assert main(["reshard", str(tmp / "src"), str(tmp / "dst"), "--to", str(b)]) == 0
-    before, after = assemble(str(tmp / "src")), assemble(str(tmp / "dst"))
+    before, after = load_global(str(tmp / "src")), load_global(str(tmp / "dst"))
     for path, _ in tree.tensors():
         assert bitwise_equal(before[path], after[path]), path
     assert main(["verify", str(tmp / "dst")]) == 0

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
+from tenplex.units import format_bytes as size
+
 __all__ = ["size", "table", "matrix"]
-
-
-def size(n: float) -> str:
-    """Bytes as a short decimal string: ``1.50 GB``."""
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

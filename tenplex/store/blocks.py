@@ -11,10 +11,14 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-__all__ = ["DEFAULT_BLOCK", "BlockHasher", "digest", "box_runs", "needed_blocks", "coalesce"]
+__all__ = ["DEFAULT_BLOCK", "MERGE_GAP", "BlockHasher", "digest", "box_runs", "needed_blocks", "coalesce"]
 
 DEFAULT_BLOCK = 1 << 20
 """Checksum block size in bytes (1 MiB)."""
+
+MERGE_GAP = 1 << 16
+"""Runs of needed blocks closer than this many bytes are fetched in one request (64 KiB):
+one request costs about as much as reading this many bytes more, on object stores."""
 
 
 def digest(data) -> str:
@@ -82,6 +86,8 @@ def box_runs(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, 
 def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: int) -> np.ndarray:
     """Indices (ascending) of the ``block``-byte blocks that byte ranges ``[starts, ends)`` touch."""
     nblocks = -(-file_size // block)
+    keep = ends > starts  # an empty run touches no block
+    starts, ends = starts[keep], ends[keep]
     if len(starts) == 0 or nblocks == 0:
         return np.zeros(0, dtype=np.int64)
     marks = np.zeros(nblocks + 1, dtype=np.int64)
@@ -90,11 +96,17 @@ def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: i
     return np.nonzero(np.cumsum(marks[:-1]) > 0)[0]
 
 
-def coalesce(blocks: np.ndarray) -> list[tuple[int, int]]:
-    """Runs ``[(first, last + 1), ...]`` of consecutive block indices."""
+def coalesce(blocks: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:
+    """Runs ``[(first, last + 1), ...]`` of ascending block indices, one request each.
+
+    Args:
+        blocks: block indices, ascending, unique (int64).
+        max_gap: runs separated by at most this many unneeded blocks are
+            merged (the gap is read too: one request instead of two).
+    """
     if len(blocks) == 0:
         return []
-    breaks = np.nonzero(np.diff(blocks) > 1)[0]
+    breaks = np.nonzero(np.diff(blocks) > max_gap + 1)[0]
     firsts = np.concatenate(([blocks[0]], blocks[breaks + 1]))
     lasts = np.concatenate((blocks[breaks], [blocks[-1]]))
     return list(zip(firsts.tolist(), (lasts + 1).tolist()))

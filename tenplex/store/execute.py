@@ -1,8 +1,9 @@
-"""The store executor: run a Plan whose sources are a checkpoint's shard files.
+"""The store executor: run a Plan whose sources are stored shards (a :class:`ShardSource`).
 
 Leaf by leaf, the ops of every requested target are grouped by the stored
 tensor they read; each stored tensor is fetched once per leaf, as the union
-of the byte runs its ops need (see :meth:`StoreReader.read`), and the ops
+of the byte runs its ops need (offsets from the stored tensor's first byte;
+see :meth:`ShardSource.read`), and the ops
 copy their regions into freshly allocated target tensors. Reads of
 different stored tensors run on a thread pool.
 """
@@ -23,7 +24,7 @@ from tenplex.ptree.shards import piece_view
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, torch_dtype
 from tenplex.store.blocks import box_runs
-from tenplex.store.reader import StoreReader
+from tenplex.store.source import ShardSource
 from tenplex.transform.plan import KIND_CODE, OpKind, Plan
 
 __all__ = ["StorePlanRunner", "target_values"]
@@ -44,18 +45,21 @@ class StorePlanRunner:
     """Builds target tensors of ``plan`` from the checkpoint behind ``reader``.
 
     Args:
-        reader: the source checkpoint; ``plan.src`` must be its config.
+        reader: the source shards (any :class:`~tenplex.store.source.ShardSource`, e.g. a
+            :class:`~tenplex.store.reader.StoreReader`); ``plan.src`` must be its config.
         plan: a plan from the stored config.
         threads: stored tensors fetched at once.
 
     Attributes:
+        S: the source :class:`~tenplex.ptree.sharding.Sharding` (``reader.sharding``).
+        D: the target :class:`~tenplex.ptree.sharding.Sharding` (of ``plan.dst``).
         bytes_needed: unique source bytes the ops read (the I/O floor).
 
     Raises:
         PlanError: if the plan does not start from the stored config.
     """
 
-    def __init__(self, reader: StoreReader, plan: Plan, threads: int = 8):
+    def __init__(self, reader: ShardSource, plan: Plan, threads: int = 8):
         if plan.src != reader.config:
             raise PlanError(f"plan starts from {plan.src}, the store holds {reader.config}")
         self.reader, self.plan, self.tree = reader, plan, reader.tree
@@ -191,7 +195,7 @@ def _union_bytes(starts: np.ndarray, ends: np.ndarray) -> int:
     return int((hi - lo).sum())
 
 
-def target_values(tree: PTree, plan: Plan, reader: StoreReader, ranks=None) -> dict:
+def target_values(tree: PTree, plan: Plan, reader: ShardSource, ranks=None) -> dict:
     """Stored values of the target config: ``{path: value or {key: value}}``, or per rank.
 
     With ``ranks`` given, returns ``{rank: {path: value}}`` instead.

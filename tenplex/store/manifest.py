@@ -13,6 +13,9 @@ parses. The manifest holds:
   byte offset and length of its local tensor, dtype, local shape, and the
   global boxes (regions) it holds;
 - ``meta``: free-form JSON for integrations (e.g. Megatron args).
+
+A manifest read from storage is parsed and checked, field by field, by
+:func:`tenplex.store.manifest_parse.parse_manifest`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenplex.errors import LayoutError, ManifestError, PathError
 from tenplex.ptree.config import ParallelConfig
-from tenplex.ptree.tree import PTree, TensorLeaf, check_path
+from tenplex.ptree.tree import PTree
 
 __all__ = ["FORMAT", "MANIFEST", "FileRecord", "TensorRecord", "Manifest"]
 
@@ -68,7 +70,7 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A parsed, validated manifest (see the module docstring)."""
+    """A manifest (see the module docstring); built by a writer, or parsed and checked on read."""
 
     config: ParallelConfig
     tree: PTree
@@ -90,65 +92,5 @@ class Manifest:
                 "tensors": tensors, "meta": self.meta}
 
     def dumps(self, regions: dict | None = None) -> bytes:
+        """The manifest as UTF-8 JSON; ``regions`` adds each stored tensor's global boxes."""
         return json.dumps(self.to_json(regions), indent=1).encode()
-
-    @classmethod
-    def loads(cls, data: bytes, where: str) -> "Manifest":
-        """Parse and validate manifest bytes read from ``where``.
-
-        Raises:
-            ManifestError: malformed JSON, unknown format version, a missing
-                field, an unsafe path, or an index that does not match the tree.
-        """
-        try:
-            obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"{where}: malformed JSON: {exc}") from exc
-        if not isinstance(obj, dict):
-            raise ManifestError(f"{where}: expected a JSON object, found {type(obj).__name__}")
-        if obj.get("format") != FORMAT:
-            raise ManifestError(f"{where}: unknown format {obj.get('format')!r}; "
-                                f"this tenplex reads {FORMAT!r}")
-        try:
-            manifest = cls._from_json(obj)
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, (ManifestError,)):
-                raise
-            if isinstance(exc, (PathError, LayoutError)):
-                raise ManifestError(f"{where}: {exc}") from exc
-            raise ManifestError(f"{where}: malformed manifest: {exc!r}") from exc
-        manifest.check(where)
-        return manifest
-
-    @classmethod
-    def _from_json(cls, obj: dict) -> "Manifest":
-        files = {check_path(k): FileRecord(int(v["size"]), int(v["block"]), tuple(v["digests"]))
-                 for k, v in obj["files"].items()}
-        tensors = {}
-        for t in obj["tensors"]:
-            rec = TensorRecord(check_path(t["path"]), int(t["rank"]), check_path(t["file"]),
-                               int(t["offset"]), int(t["nbytes"]), tuple(t["shape"]), t["dtype"])
-            tensors[(rec.path, rec.rank)] = rec
-        return cls(ParallelConfig.from_json(obj["config"]), PTree.from_json(obj["tree"]),
-                   dict(obj.get("values", {})), files, tensors, dict(obj.get("meta", {})))
-
-    def check(self, where: str) -> None:
-        """Check that the index matches the tree: dtypes, files and byte ranges.
-
-        Raises:
-            ManifestError: naming the tensor and the mismatch.
-        """
-        for (path, rank), rec in self.tensors.items():
-            leaf = self.tree.leaves.get(path)
-            if not isinstance(leaf, TensorLeaf):
-                raise ManifestError(f"{where}: tensor {path} (rank {rank}) is not a tensor leaf of the tree")
-            if rec.dtype != leaf.dtype:
-                raise ManifestError(f"{where}: tensor {path} (rank {rank}) has dtype {rec.dtype}, "
-                                    f"the tree says {leaf.dtype}")
-            f = self.files.get(rec.file)
-            if f is None or rec.offset < 0 or rec.offset + rec.nbytes > f.size:
-                raise ManifestError(f"{where}: tensor {path} (rank {rank}) points outside "
-                                    f"file {rec.file}")
-        for path, _ in self.tree.values():
-            if path not in self.values:
-                raise ManifestError(f"{where}: value leaf {path} has no value")

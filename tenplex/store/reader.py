@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from math import prod
 
 import numpy as np
@@ -17,33 +18,43 @@ import torch
 from tenplex.errors import CorruptShardError, ManifestError
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
-from tenplex.store.blocks import coalesce, digest, needed_blocks
+from tenplex.store.blocks import MERGE_GAP, coalesce, digest, needed_blocks
 from tenplex.store.manifest import MANIFEST, Manifest, TensorRecord
+from tenplex.store.manifest_parse import MAX_MANIFEST, parse_manifest
+from tenplex.store.safetensors_format import check_header, header_length, parse_header
 from tenplex.store.url import StoreRoot, translate_errors
 
 __all__ = ["StoreReader", "open_manifest"]
 
 
 def open_manifest(root: StoreRoot) -> Manifest:
-    """Read and validate ``root``'s manifest.
+    """Read and check ``root``'s manifest (at most ``MAX_MANIFEST`` bytes are read).
 
     Raises:
-        ManifestError: no manifest (not a committed checkpoint) or a bad one.
+        ManifestError: no manifest (not a committed checkpoint) or a bad one,
+            naming the field (see :mod:`tenplex.store.manifest_parse`).
     """
     where = f"{root}/{MANIFEST}"
     try:
         with translate_errors(where):
-            data = root.fs.cat_file(root.key(MANIFEST))
+            with root.fs.open(root.key(MANIFEST), "rb") as f:
+                data = f.read(MAX_MANIFEST + 1)
     except FileNotFoundError:
         leftovers = root.exists("shards")
         raise ManifestError(
             f"{where}: no manifest; {root} is not a committed checkpoint"
             + (" (it holds shards of an incomplete save)" if leftovers else "")) from None
-    return Manifest.loads(data, where)
+    return parse_manifest(data, where)
 
 
 class StoreReader:
     """A committed checkpoint opened for reading.
+
+    The manifest is checked whole when the reader opens (see
+    :mod:`tenplex.store.manifest_parse`); each shard file's size and
+    safetensors header are checked against it before the file's first read
+    (:meth:`check_file`); every block read is checked against its digest
+    before any of its bytes is used.
 
     Args:
         url: the checkpoint's URL.
@@ -55,6 +66,8 @@ class StoreReader:
         manifest, tree, config, meta: as stored.
         sharding: the stored layout.
         bytes_read: bytes fetched from shard files so far (thread-safe).
+        requests: read requests made so far.
+        cache_blocks: boundary blocks kept for the next read (one block each).
 
     Raises:
         ManifestError: see :func:`open_manifest`.
@@ -68,12 +81,14 @@ class StoreReader:
         self.sharding = Sharding(self.tree, self.config)
         self.bytes_read = 0
         self.requests = 0
+        self.cache_blocks = 64
         self._lock = threading.Lock()
         self._checked: set[str] = set()
+        self._check_locks: dict[str, threading.Lock] = {}
         self._cache: OrderedDict = OrderedDict()
         self._file_locks: dict[str, threading.Lock] = {}
-        self.cache_blocks = 64
         self._first_rank: dict[str, dict[int, int]] = {}
+        self._by_file: dict[str, list[TensorRecord]] | None = None
 
     def record(self, path: str, rank: int) -> TensorRecord:
         """The stored tensor that holds ``path``'s data for ``rank`` (its holder class's record).
@@ -90,19 +105,72 @@ class StoreReader:
             raise ManifestError(f"{self.root}: no stored tensor holds leaf {path} for rank {rank}")
         return rec
 
+    def records_in(self, key: str) -> list[TensorRecord]:
+        """The stored tensors the manifest places in shard file ``key``."""
+        if self._by_file is None:
+            by_file: dict[str, list[TensorRecord]] = {k: [] for k in self.manifest.files}
+            for rec in self.manifest.tensors.values():
+                by_file[rec.file].append(rec)
+            self._by_file = by_file
+        return self._by_file.get(key, [])
+
     def check_file(self, key: str) -> None:
-        """Raise CorruptShardError if shard file ``key`` is missing or has the wrong size."""
+        """Check shard file ``key``'s size and safetensors header against the manifest (once).
+
+        The header is read through verified blocks, then checked: length
+        inside the file, offsets inside the data, no overlaps or holes,
+        dtypes and shapes that match each tensor's byte count, and exactly
+        the manifest's tensors at the manifest's offsets.
+
+        Raises:
+            CorruptShardError: a missing file, a wrong size, a block that
+                fails its digest, or a header that lies, naming the file and field.
+        """
         if key in self._checked:
             return
-        expected = self.manifest.files[key].size
-        try:
-            size = self.root.size(key)
-        except FileNotFoundError:
-            raise CorruptShardError(f"{self.root}/{key}: shard file is missing") from None
-        if size != expected:
-            raise CorruptShardError(f"{self.root}/{key}: shard file is truncated or altered: "
-                                    f"expected {expected} bytes, found {size}")
-        self._checked.add(key)
+        with self._lock:
+            lock = self._check_locks.setdefault(key, threading.Lock())
+        with lock:
+            if key in self._checked:
+                return
+            expected = self.manifest.files[key].size
+            try:
+                size = self.root.size(key)
+            except FileNotFoundError:
+                raise CorruptShardError(f"{self.root}/{key}: shard file is missing") from None
+            if size != expected:
+                raise CorruptShardError(f"{self.root}/{key}: shard file is truncated or altered: "
+                                        f"expected {expected} bytes, found {size}")
+            where = f"{self.root}/{key}"
+            n = header_length(self.read_bytes(key, 0, min(8, size)), size, where)
+            entries = parse_header(self.read_bytes(key, 8, 8 + n), size, where)
+            check_header(entries, self.records_in(key), where)
+            self._checked.add(key)
+
+    def check_files(self, threads: int = 8) -> None:
+        """:meth:`check_file` every shard file of the manifest, ``threads`` at once.
+
+        Raises:
+            CorruptShardError: the first file (in name order) that fails.
+        """
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            list(pool.map(self.check_file, sorted(self.manifest.files)))
+
+    def read_bytes(self, key: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of shard file ``key``, every block they touch verified.
+
+        Raises:
+            CorruptShardError: see :meth:`read`.
+        """
+        frec = self.manifest.files[key]
+        start, end = max(0, start), min(end, frec.size)
+        if end <= start:
+            return memoryview(b"")
+        blocks = needed_blocks(np.array([start]), np.array([end]), frec.block, frec.size)
+        span_start = int(blocks[0]) * frec.block
+        span = np.empty(min((int(blocks[-1]) + 1) * frec.block, frec.size) - span_start, np.uint8)
+        self._fill(key, frec, blocks, span, span_start)
+        return memoryview(span)[start - span_start: end - span_start]
 
     def read(self, rec: TensorRecord, starts: np.ndarray | None = None,
              ends: np.ndarray | None = None) -> torch.Tensor:
@@ -112,8 +180,9 @@ class StoreReader:
         Bytes outside the requested runs and their blocks are undefined.
 
         Raises:
-            CorruptShardError: a missing or truncated file, or a block whose
-                digest differs from the manifest's, naming file, tensor and digests.
+            CorruptShardError: a missing or truncated file, a header that lies,
+                or a block whose digest differs from the manifest's, naming
+                file, tensor and digests.
         """
         self.check_file(rec.file)
         frec = self.manifest.files[rec.file]
@@ -130,7 +199,7 @@ class StoreReader:
         span_start = min(int(blocks[0]) * frec.block, rec.offset)
         span_end = max(min((int(blocks[-1]) + 1) * frec.block, frec.size), rec.offset + rec.nbytes)
         span = np.empty(span_end - span_start, dtype=np.uint8)
-        self._fill(rec, frec, blocks, span, span_start)
+        self._fill(rec.file, frec, blocks, span, span_start)
         lo = rec.offset - span_start
         raw = span[lo: lo + rec.nbytes]
         if lo % dtype.itemsize:  # a misaligned tensor (rare): copy it to aligned memory
@@ -138,8 +207,8 @@ class StoreReader:
         tensor = torch.from_numpy(raw).view(dtype)
         return tensor.view(rec.shape) if prod(rec.shape) else tensor.reshape(rec.shape)
 
-    def _fill(self, rec, frec, blocks: np.ndarray, span: np.ndarray, span_start: int) -> None:
-        """Put ``blocks`` of ``rec.file`` into ``span`` (file bytes from ``span_start``), verified.
+    def _fill(self, key: str, frec, blocks: np.ndarray, span: np.ndarray, span_start: int) -> None:
+        """Put ``blocks`` of file ``key`` into ``span`` (file bytes from ``span_start``), verified.
 
         Cached boundary blocks are copied in; the others are read straight into
         ``span`` (``readinto`` on local files). Fetches from one file are
@@ -147,63 +216,57 @@ class StoreReader:
         never fetch their shared boundary block twice.
         """
         with self._lock:
-            file_lock = self._file_locks.setdefault(rec.file, threading.Lock())
+            file_lock = self._file_locks.setdefault(key, threading.Lock())
         with file_lock:
             missing = []
             with self._lock:
                 for b in blocks.tolist():
-                    data = self._cache.get((rec.file, b))
+                    data = self._cache.get((key, b))
                     if data is None:
                         missing.append(b)
                         continue
-                    self._cache.move_to_end((rec.file, b))
+                    self._cache.move_to_end((key, b))
                     a = b * frec.block - span_start
                     span[a: a + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            runs = coalesce(np.asarray(missing, dtype=np.int64))
+            runs = coalesce(np.asarray(missing, dtype=np.int64), MERGE_GAP // frec.block)
             if runs:
-                self._fetch(rec, frec, runs, span, span_start)
+                self._fetch(key, frec, runs, span, span_start)
 
-    def _fetch(self, rec, frec, runs, span: np.ndarray, span_start: int) -> None:
+    def _fetch(self, key: str, frec, runs, span: np.ndarray, span_start: int) -> None:
         """Read block runs ``[(first, last + 1)]`` into ``span``, one request each; verify every block."""
-        full = self.root.key(rec.file)
         starts = [a * frec.block for a, _ in runs]
         ends = [min(b * frec.block, frec.size) for _, b in runs]
-        with translate_errors(f"{self.root}/{rec.file}"):
+        where = f"{self.root}/{key}"
+        with translate_errors(where):
             try:
-                if self.root.atomic_rename:  # a local file: read straight into place
-                    with open(full, "rb") as f:
+                if self.root.local:  # a local file: read straight into place
+                    with open(self.root.key(key), "rb") as f:
                         for a, b in zip(starts, ends):
                             f.seek(a)
                             got = f.readinto(memoryview(span)[a - span_start: b - span_start])
-                            if got != b - a:
-                                raise CorruptShardError(
-                                    f"{self.root}/{rec.file}: short read at [{a}, {b}): got {got} "
-                                    "bytes; the file is truncated")
+                            _check_length(where, a, b, got)
                 else:
-                    chunks = self.root.fs.cat_ranges([full] * len(runs), starts, ends, on_error="raise")
+                    chunks = self.root.fs.cat_ranges([self.root.key(key)] * len(runs), starts, ends,
+                                                     on_error="raise")
                     for a, b, data in zip(starts, ends, chunks):
-                        if len(data) != b - a:
-                            raise CorruptShardError(
-                                f"{self.root}/{rec.file}: short read at [{a}, {b}): got {len(data)} "
-                                "bytes; the file is truncated")
+                        _check_length(where, a, b, len(data))
                         span[a - span_start: b - span_start] = np.frombuffer(data, dtype=np.uint8)
             except FileNotFoundError:
-                raise CorruptShardError(f"{self.root}/{rec.file}: shard file is missing") from None
+                raise CorruptShardError(f"{where}: shard file is missing") from None
         view = memoryview(span)
         for first, last in runs:
             for index in range(first, last):
                 a = index * frec.block - span_start
-                part = view[a: min(a + frec.block, frec.size - span_start)]
-                actual = digest(part)
+                actual = digest(view[a: min(a + frec.block, frec.size - span_start)])
                 if actual != frec.digests[index]:
-                    raise self.mismatch(rec.file, index, actual)
+                    raise self.mismatch(key, index, actual)
         with self._lock:
             self.bytes_read += sum(b - a for a, b in zip(starts, ends))
             self.requests += len(runs)
             for first, last in runs:  # boundary blocks are likely shared with the next tensor
                 for index in {first, last - 1}:
                     a = index * frec.block - span_start
-                    self._cache[(rec.file, index)] = bytes(view[a: min(a + frec.block, frec.size - span_start)])
+                    self._cache[(key, index)] = bytes(view[a: min(a + frec.block, frec.size - span_start)])
             while len(self._cache) > self.cache_blocks:
                 self._cache.popitem(last=False)
 
@@ -211,8 +274,7 @@ class StoreReader:
         """The error for block ``index`` of file ``key`` whose digest is ``actual``."""
         frec = self.manifest.files[key]
         lo, hi = index * frec.block, min((index + 1) * frec.block, frec.size)
-        holders = [t.path for t in self.manifest.tensors.values()
-                   if t.file == key and t.offset < hi and t.offset + t.nbytes > lo]
+        holders = [t.path for t in self.records_in(key) if t.offset < hi and t.offset + t.nbytes > lo]
         return CorruptShardError(
             f"{self.root}/{key}: checksum mismatch in block {index} (bytes {lo}..{hi}) holding "
             f"{', '.join(holders) if holders else 'the file header'}: "
@@ -222,3 +284,9 @@ class StoreReader:
         """The stored value of value leaf ``path`` for ``key`` (``""`` for global), or None."""
         stored = self.manifest.values[path]
         return stored if key == "" else stored.get(key)
+
+
+def _check_length(where: str, start: int, end: int, got: int) -> None:
+    if got != end - start:
+        raise CorruptShardError(f"{where}: short read at [{start}, {end}): got {got} bytes; "
+                                "the file is truncated")

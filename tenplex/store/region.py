@@ -1,53 +1,9 @@
-"""Read one region of one leaf from a committed store, whatever its layout."""
+"""Deprecated name of :mod:`tenplex.store.fetch` (``read_region``).
 
-from __future__ import annotations
+Kept only until ``tenplex/elastic.py`` imports ``tenplex.store.fetch``;
+remove this module then (there is one ``region.py``: :mod:`tenplex.ptree.region`).
+"""
 
-import numpy as np
-import torch
-
-from tenplex.ptree.region import Box, intersect, relative, subtract, to_slices
-from tenplex.ptree.shards import piece_view
-from tenplex.ptree.tree import torch_dtype
-from tenplex.store.blocks import box_runs
-from tenplex.store.reader import StoreReader
+from tenplex.store.fetch import read_region
 
 __all__ = ["read_region"]
-
-
-def read_region(reader: StoreReader, path: str, box: Box) -> torch.Tensor:
-    """The elements ``box`` of leaf ``path`` (global coordinates), read by range reads.
-
-    Elements outside the store's padded extent (padding the store never had)
-    are zero.
-
-    Raises:
-        ManifestError: the store lacks the leaf.
-        CorruptShardError: a read fails its checksum.
-    """
-    leaf = reader.tree[path]
-    out = torch.zeros(box.sizes, dtype=torch_dtype(leaf.dtype))
-    remaining = [box]
-    for cls in reader.sharding.classes(path):
-        rec = reader.record(path, cls.ranks[0])
-        for piece in cls.holding.pieces:
-            parts = [(rem, intersect(rem, piece.box)) for rem in remaining]
-            hits = [(rem, inter) for rem, inter in parts if inter is not None]
-            if not hits:
-                continue
-            starts, ends = [], []
-            for _, inter in hits:
-                rel = relative(inter, piece.box)
-                offs = tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets))
-                s, n = box_runs(piece.view, offs, inter.sizes, piece.offset)
-                starts.append(s * leaf.itemsize)
-                ends.append(s * leaf.itemsize + n * leaf.itemsize)
-            local = reader.read(rec, np.concatenate(starts), np.concatenate(ends))
-            next_remaining = [rem for rem, inter in parts if inter is None]
-            for rem, inter in hits:
-                src = piece_view(local, piece)[to_slices(relative(inter, piece.box))]
-                out[to_slices(relative(inter, box))] = src
-                next_remaining.extend(subtract(rem, inter))
-            remaining = next_remaining
-            if not remaining:
-                return out
-    return out

@@ -1,6 +1,6 @@
 """The source protocol: what the store executor reads a plan's source shards from.
 
-:class:`~tenplex.store.execute.StorePlanRunner` (and ``fetch.read_region``)
+:class:`~tenplex.store.execute.StorePlanRunner` (and :func:`~tenplex.store.fetch.read_region`)
 read source shards through this protocol only. A committed tenplex store
 (:class:`~tenplex.store.reader.StoreReader`) implements it; so can a reader of
 another checkpoint format (e.g. a Megatron one), which then feeds the planner

@@ -36,9 +36,14 @@ class StoreRoot:
         self.path = self.path.rstrip("/")
 
     @property
+    def local(self) -> bool:
+        """Whether the root is on a local filesystem (``open``, ``fsync``, ``link`` apply)."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    @property
     def atomic_rename(self) -> bool:
         """Whether renaming a file is atomic (local POSIX filesystems)."""
-        return isinstance(self.fs, LocalFileSystem)
+        return self.local
 
     def key(self, key: str) -> str:
         """The full path of ``key`` under the root.

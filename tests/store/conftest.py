@@ -1,11 +1,10 @@
-"""Store roots for the conformance suite: file://, memory:// and s3:// on a local moto server."""
+"""The moto S3 server the conformance suite's s3:// backend runs on (127.0.0.1, started by the tests)."""
 
 import os
 import socket
 import subprocess
 import sys
 import time
-import uuid
 
 import fsspec
 import pytest
@@ -53,17 +52,3 @@ def s3_endpoint():
             os.environ[k] = v
     proc.terminate()
     proc.wait(timeout=10)
-
-
-@pytest.fixture(params=["file", "memory", "s3"])
-def root(request, tmp_path):
-    """A fresh, empty root URL on each backend."""
-    if request.param == "file":
-        yield f"file://{tmp_path}"
-    elif request.param == "memory":
-        url = f"memory://tenplex-{uuid.uuid4().hex}"
-        yield url
-        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
-    else:
-        request.getfixturevalue("s3_endpoint")
-        yield f"s3://tenplex-test/{uuid.uuid4().hex}"
