@@ -79,7 +79,7 @@ def test_any_surviving_replica_set_recovers_or_reports_exactly(args, data):
 @given(tree_and_configs())
 def test_tiled_and_general_paths_agree(args):
     """The tp-symmetric fast path gives the same rows as the general path (sources may differ among replicas)."""
-    import tenplex.transform.planner as planner
+    import tenplex.transform.template as planner
 
     spec, tree, a, b = args
     fast = make_plan(tree, a, b)
