@@ -135,7 +135,7 @@ class ParallelConfig:
         if self.pp > 1 and self.order[-1] != "pp" and self.edp != self.dp:
             raise ConfigError(f"{self}: with pp last in order or edp == dp only (megatron-core "
                               f"asserts this), got order {'-'.join(self.order)} and edp={self.edp}")
-        if self._strides["dense"]["pp"] != self._strides["expert"]["pp"]:
+        if self.pp > 1 and self._strides["dense"]["pp"] != self._strides["expert"]["pp"]:
             raise ConfigError(f"{self}: the dense and expert grids put pipeline stages on "
                               f"different ranks under order {'-'.join(self.order)}")
 
@@ -212,6 +212,25 @@ class ParallelConfig:
         """``coord``'s index in megatron's dp-cp group (the dense distributed optimizer's group)."""
         values = {"cp": coord.cp, "dp": coord.dp}
         return grid.group_index(values, ("cp", "dp"), self.grid_order, self._grid_sizes["dense"])
+
+    @cached_property
+    def etp_follows_dp_cp_groups(self) -> bool:
+        """True if every rank of a dp-cp group has the same etp coordinate.
+
+        Megatron-core keeps expert parameters in the dense distributed-optimizer
+        buffer when ``ep = 1`` (``allreduce`` is only False for experts with
+        ep > 1), sharded over the dp-cp group; that is only a layout of the
+        experts' optimizer state when the group's ranks hold the same expert
+        shard: ``etp = 1``, or ``etp = tp`` on the same ranks.
+        """
+        if self.etp == 1:
+            return True
+        seen: dict = {}
+        for rank in range(self.world_size):
+            c = self.coord(rank)
+            if seen.setdefault((c.tp, c.pp), c.etp) != c.etp:
+                return False
+        return True
 
     # -- pipeline ----------------------------------------------------------------
     def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:

@@ -245,8 +245,10 @@ class PTree:
             ConfigError: naming the violated constraint, e.g.
                 ``"tp=3 does not divide num_query_groups=8 (model/layers/0/...)"``,
                 ``"pp=3 does not divide num_layers=8"``,
-                ``"vpp=2 does not divide the 3 layers of stage 0 (...)"`` or
-                ``"ep=3 does not divide num_moe_experts=8 (...)"``.
+                ``"vpp=2 does not divide the 3 layers of stage 0 (...)"``,
+                ``"ep=3 does not divide num_moe_experts=8 (...)"``, or an etp
+                that the experts' distributed-optimizer state cannot follow
+                when ep = 1.
         """
         config.check_layers(self.num_layers)
         for path, leaf in self.tensors():
@@ -255,6 +257,12 @@ class PTree:
             if layout.expert is not None:
                 layout.expert.check(config.ep, path)
                 degree, name = config.etp, "etp"
+                if layout.dp_shard is not None and config.ep == 1 \
+                        and not config.etp_follows_dp_cp_groups:
+                    raise ConfigError(
+                        f"{config}: with ep=1 the experts' distributed-optimizer state is sharded "
+                        f"over dp-cp groups (megatron-core keeps it in the dense buffer), whose "
+                        f"ranks hold different etp={config.etp} shards; use etp=1 or etp=tp ({path})")
             if layout.split is None:
                 continue
             length = leaf.shape[layout.split.axis]
