@@ -46,16 +46,17 @@ class Segment:
     alts: tuple[tuple[int, int, int], ...]
 
 
-def signature(S: Sharding, D: Sharding, leaf: TensorLeaf) -> tuple:
-    """Leaves with equal signatures have equal geometry under (S, D).
+def signature(src: Sharding, dst: Sharding, leaf: TensorLeaf) -> tuple:
+    """Leaves with equal signatures have equal geometry under the source and target shardings.
 
-    ``S`` and ``D`` are the source and target shardings. The signature holds
+    The signature holds
     the padded shapes, the split, the stages on both sides, the buffer
     membership (for dp-sharded leaves) and, for experts, the owning ep rank
     on both sides.
     """
-    return (S.physical_shape(leaf), D.physical_shape(leaf), leaf.layout.split,
-            S.stages(leaf), D.stages(leaf), leaf.layout.dp_shard, S.owner(leaf), D.owner(leaf))
+    return (src.physical_shape(leaf), dst.physical_shape(leaf), leaf.layout.split,
+            src.stages(leaf), dst.stages(leaf), leaf.layout.dp_shard, src.owner(leaf),
+            dst.owner(leaf))
 
 
 class _Cand:
@@ -98,7 +99,7 @@ class LeafGeometry:
     """Source pools and target classes of one kind of leaf, with cached covers.
 
     Attributes:
-        pools: per source holder class, its live ranks (int32 arrays).
+        pools: per source holder class, its live ranks (int64 arrays).
         member: ``member[pool, rank]``: ``rank`` is a live rank of ``pool``;
             shape ``[pools, src_world + 1]`` (the last column is a sentinel
             for "no rank").
@@ -107,18 +108,23 @@ class LeafGeometry:
         dst_classes: per target holder class, ``(ranks, pieces' boxes)``.
 
     Args:
+        src, dst: the tree under the source and target configs.
+        path: the tensor leaf.
+        alive_mask: ``[src world + 1]`` bool, the live source ranks.
         shared: a cover memo shared between geometries; covers are keyed by
             their geometry relative to the target box, so a translated copy
             (the same picture on another tp rank) is computed once.
+        tp_coord: only the classes of this split rank (tp, or etp for
+            experts) on both sides; ``None`` for all.
     """
 
-    def __init__(self, S: Sharding, D: Sharding, path: str, alive_mask: np.ndarray,
+    def __init__(self, src: Sharding, dst: Sharding, path: str, alive_mask: np.ndarray,
                  shared: dict | None = None, tp_coord: int | None = None):
-        leaf = S.tree[path]
+        leaf = src.tree[path]
         self._shared = {} if shared is None else shared
-        world = S.config.world_size
-        self.extent = full_box(S.physical_shape(leaf))
-        src_classes = S.classes(path, tp_coord)
+        world = src.config.world_size
+        self.extent = full_box(src.physical_shape(leaf))
+        src_classes = src.classes(path, tp_coord)
         self.class_of_src = np.full(world + 1, -1, dtype=np.int64)
         self.pools: list[np.ndarray] = []
         self.member = np.zeros((len(src_classes), world + 1), dtype=bool)
@@ -136,7 +142,7 @@ class LeafGeometry:
                 cands.extend(_Cand(k, i, b) for i, b in enumerate(boxes))
         self.index = _Index(cands)
         self.dst_classes = [(np.asarray(c.ranks, dtype=np.int64), tuple(p.box for p in c.holding.pieces))
-                            for c in D.classes(path, tp_coord)]
+                            for c in dst.classes(path, tp_coord)]
         self._covers: dict = {}
         self._lb: dict = {}
 
@@ -184,7 +190,7 @@ class LeafGeometry:
         return hit
 
 
-def tp_symmetric(S: Sharding, D: Sharding, leaf: TensorLeaf) -> bool:
+def tp_symmetric(src: Sharding, dst: Sharding, leaf: TensorLeaf) -> bool:
     """True if split rank ``t``'s geometry is split rank 0's shifted (same split-local frame).
 
     The split rank is the tp rank, or the etp rank for experts. Shifting a
@@ -194,11 +200,11 @@ def tp_symmetric(S: Sharding, D: Sharding, leaf: TensorLeaf) -> bool:
     tp or is laid out differently.
     """
     split = leaf.layout.split
-    if split is None or S.degree(leaf) != D.degree(leaf) or S.degree(leaf) < 2 \
-            or S.physical_shape(leaf) != D.physical_shape(leaf):
+    if split is None or src.degree(leaf) != dst.degree(leaf) or src.degree(leaf) < 2 \
+            or src.physical_shape(leaf) != dst.physical_shape(leaf):
         return False
     if leaf.layout.expert is not None and leaf.layout.dp_shard is not None:
-        for sharding in (S, D):
+        for sharding in (src, dst):
             c = sharding.config
             if not sharding.expert_part(leaf) and (c.etp != c.tp or c.stride("etp") != c.stride("tp")):
                 return False
