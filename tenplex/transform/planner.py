@@ -6,7 +6,8 @@ It does no I/O and touches no tensor data.
 For every tensor leaf and every target rank, each piece the rank must hold
 is covered, exactly once, by boxes of live source pieces
 (:mod:`tenplex.transform.geometry`). Several sources may hold the same box
-(dp replicas, tied embedding copies). The choice among them:
+(dp and cp replicas, expert-dp replicas of an expert, tied embedding
+copies). The choice among them:
 
 1. a source on the target's own device: nothing moves;
 2. else a source on the target's host; among several, the least loaded;
@@ -20,10 +21,11 @@ to the even share. Padding that only the target has becomes FILL ops.
 Boxes no live source holds raise :class:`~tenplex.errors.MissingDataError`,
 or become STORE reads with ``store_fallback=True``.
 
-Cost: geometry is computed once per kind of leaf (see
-:func:`~tenplex.transform.geometry.signature`) and source choice is
-vectorized over target ranks, so planning GPT-3 175B from 1024 to 2048
-ranks takes seconds (``bench/plan_scale.py``).
+Cost: geometry and every load-free choice are computed once per kind of
+leaf (a :class:`~tenplex.transform.template.Template` per
+:func:`~tenplex.transform.geometry.signature`) and the rest is vectorized
+over target ranks, so planning GPT-3 175B from 1024 to 2048 ranks takes
+seconds (``bench/plan_scale.py``).
 """
 
 from __future__ import annotations
@@ -161,10 +163,10 @@ class _Builder:
         self.maker = TemplateMaker(src_sharding, dst_sharding, alive_mask, devices, ndim)
         self.loads = np.zeros(ws + 1, dtype=np.int64)
         self.templates: dict = {}
-        self.chunks: list[dict] = []
+        self.columns: list[dict] = []  # per leaf: its ops' OpTable columns
         self.missing: dict[str, list[Box]] = {}
         self.padding: list[PaddingChange] = []
-        self.lb = self.lb_net = 0
+        self.lower_bound = self.lower_bound_network = 0  # bytes
         self.paths: list[str] = []
         self.ndims: list[int] = []
 
@@ -191,8 +193,8 @@ class _Builder:
             template = self.templates[key] = self.maker.make(path, leaf)
         rows, segments, choice = template.rows, template.segments, template.choice
         itemsize = leaf.itemsize
-        self.lb += rows.unheld * itemsize
-        self.lb_net += choice.lb_net_volume * itemsize
+        self.lower_bound += rows.unheld * itemsize
+        self.lower_bound_network += choice.lb_net_volume * itemsize
         if len(choice.missing_rows) and not self.store_fallback:
             boxes = self.missing.setdefault(path, [])
             for s in dict.fromkeys(rows.seg[choice.missing_rows].tolist()):
@@ -200,7 +202,7 @@ class _Builder:
             return
         nbytes = segments.volume[rows.seg] * itemsize
         src = self._choose(choice, nbytes)
-        self.chunks.append({
+        self.columns.append({
             "path": np.full(len(rows.seg), index, dtype=np.int32),
             "dst": rows.dst, "src": src, "offsets": segments.offsets[rows.seg],
             "sizes": segments.sizes[rows.seg], "src_piece": segments.pieces[choice.alt, rows.seg],
@@ -228,9 +230,10 @@ class _Builder:
 
     # -- results ---------------------------------------------------------------
     def table(self) -> OpTable:
-        if not self.chunks:
+        """Every leaf's ops in one table, ordered by target rank (stable: tree order within)."""
+        if not self.columns:
             return OpTable.empty(self.paths, self.ndims)
-        cols = {k: np.concatenate([c[k] for c in self.chunks]) for k in OpTable.COLUMNS}
+        cols = {k: np.concatenate([c[k] for c in self.columns]) for k in OpTable.COLUMNS}
         order = np.argsort(cols["dst"], kind="stable")
         dtypes = {"path": np.int32, "dst": np.int32, "src": np.int32, "src_piece": np.int32,
                   "dst_piece": np.int32, "nbytes": np.int64, "kind": np.int8, "link": np.int8,
@@ -240,6 +243,7 @@ class _Builder:
         return OpTable(self.paths, self.ndims, cols)
 
     def totals(self, table: OpTable) -> Totals:
+        """Bytes by link, FILL bytes, the busiest sender and the lower bounds, in bytes."""
         c = table.cols
         fill = c["kind"] == FILL_KIND
         by_link = np.bincount(c["link"][~fill], weights=c["nbytes"][~fill], minlength=4)
@@ -248,7 +252,7 @@ class _Builder:
         return Totals(needed=int(c["nbytes"][~fill].sum()), local=int(by_link[LOCAL]),
                       host=int(by_link[HOST]), network=int(by_link[NETWORK]),
                       store=int(by_link[STORE]), fill=int(c["nbytes"][fill].sum()),
-                      lower_bound=self.lb, lower_bound_network=self.lb_net,
+                      lower_bound=self.lower_bound, lower_bound_network=self.lower_bound_network,
                       max_sender=int(max(sent)))
 
 
