@@ -1,4 +1,7 @@
-"""Property tests: any GPT-style tree, any pair of valid configs with dp*tp*pp <= 8."""
+"""Property tests: any GPT-style tree (dense or MoE), any pair of valid configs with world <= 8.
+
+Configs draw dp, tp, pp, cp, ep, etp, vpp, uneven stages and two rank orders (tests/strategies.py).
+"""
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -6,6 +9,7 @@ from hypothesis import strategies as st
 from strategies import tree_and_configs
 from tenplex.models import random_state
 from tenplex.ptree.shards import assemble, bitwise_equal, materialize
+from tenplex.ptree.tree import Scope
 from tenplex.transform import Link, OpKind, Plan, execute_local, make_plan
 from tenplex.transform.verify import check_plan
 
@@ -20,10 +24,13 @@ def _reshard(tree, a, b, seed=0):
 
 
 def _assert_same_state(tree, a, b, expected, got):
+    assert set(got) == set(tree.leaves)
     for path, leaf in tree.leaves.items():
         if hasattr(expected[path], "shape"):
             assert bitwise_equal(expected[path], got[path]), path
-        elif isinstance(expected[path], dict):  # scoped values survive where the key survives
+        elif leaf.scope is not Scope.GLOBAL:
+            # every key of the target config is there; a value survives where its key survives
+            assert set(got[path]) == {leaf.key(b, r) for r in range(b.world_size)}, path
             for key, value in got[path].items():
                 assert value == expected[path].get(key), (path, key)
         else:
@@ -79,7 +86,7 @@ def test_any_surviving_replica_set_recovers_or_reports_exactly(args, data):
 @given(tree_and_configs())
 def test_tiled_and_general_paths_agree(args):
     """The tp-symmetric fast path gives the same rows as the general path (sources may differ among replicas)."""
-    import tenplex.transform.planner as planner
+    import tenplex.transform.template as planner
 
     spec, tree, a, b = args
     fast = make_plan(tree, a, b)

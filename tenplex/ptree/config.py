@@ -1,7 +1,9 @@
-"""Parallel configs: (dp, tp, pp), rank order and the layer-to-stage assignment.
+"""Parallel configs: dp, tp, pp, cp, ep, etp and vpp, megatron-core 0.16's rank order.
 
-Megatron orders ranks with tp fastest, then dp, then pp (its default
-``order="tp-cp-ep-dp-pp"`` with cp = ep = 1), so for ``dp=2, tp=2, pp=2``::
+Ranks follow ``parallel_state.initialize_model_parallel`` (see
+:mod:`tenplex.ptree.grid`): a dense grid ``TP x CP x DP x PP`` and an expert
+grid ``ETP x EP x EDP x PP`` over the same ranks, in the order
+``tp-cp-ep-dp-pp`` (first axis fastest). For ``dp=2, tp=2, pp=2``::
 
     rank:  0 1 2 3 4 5 6 7
     tp:    0 1 0 1 0 1 0 1
@@ -11,49 +13,82 @@ Megatron orders ranks with tp fastest, then dp, then pp (its default
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from tenplex.errors import ConfigError
+from tenplex.ptree import grid, pipeline
 
-__all__ = ["Coord", "ParallelConfig", "AXES"]
+__all__ = ["Coord", "ParallelConfig", "AXES", "COORD_AXES"]
 
 AXES = ("tp", "dp", "pp")
-"""The parallel axes tenplex knows. Room is left for ``cp`` and ``ep``."""
+"""The axes every config's ``order`` names (``cp`` and ``ep`` are named where > 1)."""
+
+COORD_AXES = ("dp", "tp", "pp", "cp", "ep", "etp", "edp")
+"""The fields of a :class:`Coord`."""
+
+_DEGREES = ("dp", "tp", "pp", "cp", "ep", "etp", "vpp")
 
 
 class Coord(NamedTuple):
-    """A rank's coordinates: data-parallel, tensor-parallel and pipeline index."""
+    """A rank's coordinates on the dense and the expert grid.
+
+    ``dp``, ``tp``, ``pp`` and ``cp`` place the rank on the dense grid;
+    ``ep``, ``etp`` and ``edp`` (expert parallel, expert tensor parallel and
+    expert data parallel) on the expert grid; ``pp`` is shared. A
+    :meth:`ParallelConfig.coord` fills every field; :meth:`ParallelConfig.rank`
+    reads only the dense ones, so ``Coord(dp, tp, pp)`` still names a rank.
+    """
 
     dp: int
     tp: int
     pp: int
+    cp: int = 0
+    ep: int = 0
+    etp: int = 0
+    edp: int = 0
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """A (dp, tp, pp) parallel config with a rank order and stage assignment.
+    """A parallel config: degrees, rank order and layer-to-stage assignment.
 
     Attributes:
         dp: data-parallel degree (replicas), >= 1.
         tp: tensor-parallel degree, >= 1.
         pp: pipeline-parallel degree (stages), >= 1.
-        order: the axes from fastest- to slowest-varying in the rank number;
-            a permutation of ``("tp", "dp", "pp")``. Megatron's default is
-            ``("tp", "dp", "pp")``.
+        order: megatron's order tokens from fastest- to slowest-varying in
+            the rank number; it names ``tp``, ``dp`` and ``pp`` and may name
+            ``cp`` and ``ep``. Stored normalized: ``cp`` and ``ep`` are kept
+            only where their degree is > 1 (elsewhere they do not change any
+            rank), so ``dp=2,tp=2,pp=2`` has order ``("tp", "dp", "pp")``.
+            Default: megatron's ``tp-cp-ep-dp-pp``.
         stage_layers: layers per pipeline stage, or ``None`` for an even
             split. Uneven lists are allowed, e.g. ``(3, 5)`` for 8 layers on
             2 stages; each stage holds at least one layer.
+        cp: context-parallel degree. Weights are replicated over cp.
+        ep: expert-parallel degree: experts are dealt out in contiguous
+            blocks over ep ranks.
+        etp: expert-tensor-parallel degree; ``None`` means ``tp``.
+        vpp: virtual pipeline chunks per stage (interleaved schedule); 1
+            means none (megatron's ``None``).
+
+    The world size is ``dp * tp * cp * pp``; the expert data-parallel degree
+    is ``edp = world / (etp * ep * pp)``.
 
     Raises:
-        ConfigError: on a degree below 1, a bad order, or a ``stage_layers``
-            whose length is not ``pp``.
+        ConfigError: naming the constraint: a degree below 1, a bad order, a
+            ``stage_layers`` whose length is not ``pp``, ``etp * ep * pp``
+            not dividing the world, ``vpp > 1`` with ``pp = 1``, or an order
+            under which the dense and expert pipeline groups differ.
 
     Example:
         >>> c = ParallelConfig.parse("dp=2,tp=2,pp=2")
         >>> c.coord(5)
-        Coord(dp=0, tp=1, pp=1)
+        Coord(dp=0, tp=1, pp=1, cp=0, ep=0, etp=1, edp=0)
         >>> c.rank(Coord(dp=0, tp=1, pp=1))
         5
     """
@@ -61,74 +96,143 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    order: tuple[str, ...] = AXES
+    order: tuple[str, ...] = grid.DEFAULT_ORDER
     stage_layers: tuple[int, ...] | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int = 1
 
     def __post_init__(self) -> None:
-        for name in AXES:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        for name in _DEGREES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"ParallelConfig: {name} must be an integer >= 1, got {value!r}")
-        if tuple(sorted(self.order)) != tuple(sorted(AXES)):
-            raise ConfigError(
-                f"ParallelConfig: order must be a permutation of {AXES}, got {self.order!r}"
-            )
-        object.__setattr__(self, "order", tuple(self.order))
+        full = grid.full_order(self.order)
+        keep = {"tp", "dp", "pp"} | {a for a in ("cp", "ep") if getattr(self, a) > 1}
+        object.__setattr__(self, "order", tuple(t for t in full if t in keep))
         if self.stage_layers is not None:
-            layers = tuple(int(n) for n in self.stage_layers)
+            try:
+                layers = tuple(operator.index(n) for n in self.stage_layers)
+            except TypeError:
+                layers = ()
             if len(layers) != self.pp or any(n < 1 for n in layers):
-                raise ConfigError(
-                    f"ParallelConfig: stage_layers must list pp={self.pp} positive layer "
-                    f"counts, got {self.stage_layers!r}"
-                )
+                raise ConfigError(f"ParallelConfig: stage_layers must list pp={self.pp} positive "
+                                  f"layer counts, got {self.stage_layers!r}")
             object.__setattr__(self, "stage_layers", layers)
+        self._check_grids()
 
+    def _check_grids(self) -> None:
+        expert = self.etp * self.ep * self.pp
+        if self.world_size % expert:
+            raise ConfigError(f"{self}: etp*ep*pp={expert} does not divide the world size "
+                              f"{self.world_size} (dp*tp*cp*pp)")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"{self}: vpp={self.vpp} needs pp > 1 (megatron-core interleaves "
+                              "virtual chunks over pipeline stages)")
+        if self.pp > 1 and self.order[-1] != "pp" and self.edp != self.dp:
+            raise ConfigError(f"{self}: with pp last in order or edp == dp only (megatron-core "
+                              f"asserts this), got order {'-'.join(self.order)} and edp={self.edp}")
+        if self.pp > 1 and self._strides["dense"]["pp"] != self._strides["expert"]["pp"]:
+            raise ConfigError(f"{self}: the dense and expert grids put pipeline stages on "
+                              f"different ranks under order {'-'.join(self.order)}")
+
+    # -- degrees ---------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        """Number of ranks: ``dp * tp * pp``."""
-        return self.dp * self.tp * self.pp
+        """Number of ranks: ``dp * tp * cp * pp``."""
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree: ``world_size / (etp * ep * pp)``."""
+        return self.world_size // (self.etp * self.ep * self.pp)
 
     def sizes(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        """The degree of every coordinate axis (see :data:`COORD_AXES`)."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep,
+                "etp": self.etp, "edp": self.edp}
+
+    # -- ranks and coordinates ---------------------------------------------------
+    @cached_property
+    def grid_order(self) -> tuple[str, ...]:
+        """All five of megatron's order tokens in rank order (``order`` with cp and ep placed)."""
+        return grid.full_order(self.order)
+
+    @cached_property
+    def _grid_sizes(self) -> dict[str, dict[str, int]]:
+        args = (self.tp, self.cp, self.ep, self.dp, self.pp, self.etp, self.edp)
+        return {g: grid.grid_sizes(g, *args) for g in ("dense", "expert")}
+
+    @cached_property
+    def _strides(self) -> dict[str, dict[str, int]]:
+        return {g: grid.strides(self.grid_order, s) for g, s in self._grid_sizes.items()}
 
     def coord(self, rank: int) -> Coord:
-        """The coordinates of ``rank``.
+        """The coordinates of ``rank`` on both grids.
 
         Raises:
             ConfigError: if ``rank`` is not in ``[0, world_size)``.
         """
         if not 0 <= rank < self.world_size:
             raise ConfigError(f"{self}: rank {rank} is outside [0, {self.world_size})")
-        sizes = self.sizes()
-        values = {}
-        for axis in self.order:
-            rank, values[axis] = divmod(rank, sizes[axis])
-        return Coord(values["dp"], values["tp"], values["pp"])
+        order, sizes = self.grid_order, self._grid_sizes
+        d = grid.decompose(rank, order, sizes["dense"])
+        e = grid.decompose(rank, order, sizes["expert"])
+        return Coord(d["dp"], d["tp"], d["pp"], d["cp"], e["ep"], e["tp"], e["dp"])
 
     def rank(self, coord: Coord) -> int:
-        """The rank at ``coord``.
+        """The rank at ``coord``'s dense coordinates (``dp``, ``tp``, ``pp``, ``cp``).
 
         Raises:
             ConfigError: if a coordinate is out of range.
         """
-        rank = 0
-        for axis in reversed(self.order):
-            size, value = getattr(self, axis), getattr(coord, axis)
-            if not 0 <= value < size:
-                raise ConfigError(f"{self}: {axis}={value} is outside [0, {size})")
-            rank = rank * size + value
-        return rank
+        sizes = self._grid_sizes["dense"]
+        values = {"tp": coord.tp, "cp": coord.cp, "ep": 0, "dp": coord.dp, "pp": coord.pp}
+        for axis in ("tp", "cp", "dp", "pp"):
+            if not 0 <= values[axis] < sizes[axis]:
+                raise ConfigError(f"{self}: {axis}={values[axis]} is outside [0, {sizes[axis]})")
+        return grid.compose(values, self.grid_order, sizes)
 
     def stride(self, axis: str) -> int:
-        """How much the rank grows when ``axis``'s coordinate grows by one."""
-        sizes = self.sizes()
-        stride = 1
-        for name in self.order:
-            if name == axis:
-                return stride
-            stride *= sizes[name]
-        raise ConfigError(f"unknown axis {axis!r}")
+        """How much the rank grows when ``axis``'s coordinate grows by one.
 
+        ``tp``, ``cp``, ``dp`` and ``pp`` are dense-grid axes; ``etp``,
+        ``ep`` and ``edp`` expert-grid axes.
+        """
+        if axis not in COORD_AXES:
+            raise ConfigError(f"unknown axis {axis!r}; expected one of {COORD_AXES}")
+        token = {"etp": "tp", "edp": "dp"}.get(axis, axis)
+        g = "expert" if axis in ("etp", "ep", "edp") else "dense"
+        return self._strides[g][token]
+
+    def dp_cp_rank(self, coord: Coord) -> int:
+        """``coord``'s index in megatron's dp-cp group (the dense distributed optimizer's group)."""
+        values = {"cp": coord.cp, "dp": coord.dp}
+        return grid.group_index(values, ("cp", "dp"), self.grid_order, self._grid_sizes["dense"])
+
+    @cached_property
+    def etp_follows_dp_cp_groups(self) -> bool:
+        """True if every rank of a dp-cp group has the same etp coordinate.
+
+        Megatron-core keeps expert parameters in the dense distributed-optimizer
+        buffer when ``ep = 1`` (``allreduce`` is only False for experts with
+        ep > 1), sharded over the dp-cp group; that is only a layout of the
+        experts' optimizer state when the group's ranks hold the same expert
+        shard: ``etp = 1``, or ``etp = tp`` on the same ranks.
+        """
+        if self.etp == 1:
+            return True
+        seen: dict = {}
+        for rank in range(self.world_size):
+            c = self.coord(rank)
+            if seen.setdefault((c.tp, c.pp), c.etp) != c.etp:
+                return False
+        return True
+
+    # -- pipeline ----------------------------------------------------------------
     def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
         """The number of layers on each stage for a model of ``num_layers``.
 
@@ -136,62 +240,75 @@ class ParallelConfig:
             ConfigError: if pp does not fit the layers: an even split needs
                 ``pp`` to divide ``num_layers``, an uneven one must sum to it.
         """
-        if self.stage_layers is not None:
-            if sum(self.stage_layers) != num_layers:
-                raise ConfigError(
-                    f"{self}: stage_layers {list(self.stage_layers)} sum to "
-                    f"{sum(self.stage_layers)}, expected num_layers={num_layers}"
-                )
-            return self.stage_layers
-        if num_layers % self.pp:
-            raise ConfigError(f"pp={self.pp} does not divide num_layers={num_layers}")
-        return (num_layers // self.pp,) * self.pp
+        return pipeline.stage_counts(num_layers, self.pp, self.stage_layers, str(self))
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise ConfigError unless ``pp``, ``stage_layers`` and ``vpp`` fit ``num_layers``."""
+        pipeline.chunk_starts(self.layers_per_stage(num_layers), self.vpp)
+
+    def chunk_of_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
+        """``(stage, virtual chunk)`` of global layer index ``layer``."""
+        return pipeline.chunk_of(layer, self.layers_per_stage(num_layers), self.vpp)
 
     def stage_of_layer(self, layer: int, num_layers: int) -> int:
         """The pipeline stage that holds global layer index ``layer``."""
-        if not 0 <= layer < num_layers:
-            raise ConfigError(f"layer {layer} is outside [0, num_layers={num_layers})")
-        end = 0
-        for stage, count in enumerate(self.layers_per_stage(num_layers)):
-            end += count
-            if layer < end:
-                return stage
-        raise AssertionError("unreachable: layers_per_stage sums to num_layers")
+        return self.chunk_of_layer(layer, num_layers)[0]
 
-    def first_layer(self, stage: int, num_layers: int) -> int:
-        """Global index of the first layer on ``stage`` (stage-local index 0)."""
-        return sum(self.layers_per_stage(num_layers)[:stage])
+    def chunk_layers(self, stage: int, chunk: int, num_layers: int) -> range:
+        """The global layer indices of virtual chunk ``chunk`` of ``stage``."""
+        counts = self.layers_per_stage(num_layers)
+        start = pipeline.chunk_starts(counts, self.vpp)[stage][chunk]
+        return range(start, start + counts[stage] // self.vpp)
 
+    def first_layer(self, stage: int, num_layers: int, chunk: int = 0) -> int:
+        """Global index of the first layer of ``chunk`` on ``stage`` (chunk-local index 0)."""
+        return self.chunk_layers(stage, chunk, num_layers).start
+
+    # -- text and JSON -------------------------------------------------------------
     def __str__(self) -> str:
         text = f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        for name, default in (("cp", 1), ("ep", 1), ("etp", self.tp), ("vpp", 1)):
+            if getattr(self, name) != default:
+                text += f",{name}={getattr(self, name)}"
         if self.stage_layers is not None:
             text += ",stages=" + ":".join(str(n) for n in self.stage_layers)
         return text
 
     def to_json(self) -> dict:
+        """JSON; a config with only dp, tp and pp gives the same JSON as before cp/ep/etp/vpp."""
         obj: dict = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "order": list(self.order)}
         if self.stage_layers is not None:
             obj["stage_layers"] = list(self.stage_layers)
+        for name, default in (("cp", 1), ("ep", 1), ("etp", self.tp), ("vpp", 1)):
+            if getattr(self, name) != default:
+                obj[name] = getattr(self, name)
         return obj
 
     @classmethod
     def from_json(cls, obj: dict) -> "ParallelConfig":
+        """Rebuild a config from :meth:`to_json` output (also JSON without cp/ep/etp/vpp).
+
+        Raises:
+            ConfigError: on a missing, unknown or malformed field.
+        """
         try:
-            return cls(
-                dp=obj["dp"],
-                tp=obj["tp"],
-                pp=obj["pp"],
-                order=tuple(obj.get("order", AXES)),
-                stage_layers=tuple(obj["stage_layers"]) if obj.get("stage_layers") else None,
-            )
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"ParallelConfig: cannot read {obj!r}: {exc}") from exc
+            unknown = set(obj) - {"dp", "tp", "pp", "order", "stage_layers", *_DEGREES}
+            if unknown:
+                raise ConfigError(f"ParallelConfig: unknown fields {sorted(unknown)} in {obj!r}")
+            extra = {k: obj[k] for k in ("cp", "ep", "etp", "vpp") if k in obj}
+            return cls(dp=obj["dp"], tp=obj["tp"], pp=obj["pp"],
+                       order=tuple(obj.get("order", grid.DEFAULT_ORDER)),
+                       stage_layers=tuple(obj["stage_layers"]) if obj.get("stage_layers") else None,
+                       **extra)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"ParallelConfig: cannot read {obj!r}: {exc!r}") from exc
 
     @classmethod
     def parse(cls, text: str) -> "ParallelConfig":
-        """Parse ``"dp=2,tp=4,pp=2"``; missing degrees default to 1.
+        """Parse ``"dp=2,tp=4,pp=2,cp=1,ep=2,etp=1,vpp=2"``; missing degrees default to 1.
 
-        ``stages=3:5`` gives an uneven layer-to-stage assignment.
+        ``etp`` defaults to ``tp``; ``stages=3:5`` gives an uneven
+        layer-to-stage assignment.
 
         Raises:
             ConfigError: on an unknown key, a repeated key or a bad value.
@@ -202,15 +319,14 @@ class ParallelConfig:
             if not match:
                 raise ConfigError(f"parallel config {text!r}: expected key=value, got {item!r}")
             key, value = match.groups()
-            if key in values:
+            if key in values or (key == "stages" and "stage_layers" in values):
                 raise ConfigError(f"parallel config {text!r}: {key} is given twice")
-            if key in AXES and value.isdigit():
+            if key in _DEGREES and value.isdigit():
                 values[key] = int(value)
             elif key == "stages":
                 values["stage_layers"] = tuple(int(v) for v in value.split(":") if v)
             else:
                 raise ConfigError(
-                    f"parallel config {text!r}: unknown key or bad value {item!r}; "
-                    "expected dp=, tp=, pp= (integers) or stages=a:b:..."
-                )
+                    f"parallel config {text!r}: unknown key or bad value {item!r}; expected "
+                    "dp=, tp=, pp=, cp=, ep=, etp=, vpp= (integers) or stages=a:b:...")
         return cls(**values)

@@ -1,7 +1,7 @@
 """Declared layouts: how a global tensor is cut for a parallel config.
 
 A :class:`Layout` is declared per tensor leaf and never inferred from shapes.
-It has four parts:
+It has five parts:
 
 1. :class:`Stage`: pipeline membership, by global layer index or as the
    first, last, first-and-last (tied embeddings) or every stage.
@@ -12,8 +12,12 @@ It has four parts:
    interleaved QKV).
 3. :class:`Padding`: the axis is padded to a multiple that depends on tp.
 4. :class:`DPShard`: the leaf is a member of a flat buffer sharded across
-   dp, as Megatron's distributed optimizer and ZeRO-1 shard; ``None`` means
-   every dp rank holds a replica.
+   data parallelism (:class:`~tenplex.ptree.buffer.FlatBuffer`), as
+   Megatron's distributed optimizer and ZeRO-1 shard; ``None`` means every
+   dp (and cp) rank holds a replica.
+5. :class:`Expert`: the leaf belongs to one expert of a mixture-of-experts
+   layer. It lives on the expert grid: the ep rank that owns the expert holds
+   it, its split is over expert tp, its replicas are the expert-dp ranks.
 
 All records are frozen and hashable; ``str`` is short and ``to_json`` /
 ``from_json`` round-trip.
@@ -25,9 +29,11 @@ import enum
 from dataclasses import dataclass
 from math import ceil
 
-from tenplex.errors import LayoutError
+from tenplex.errors import ConfigError, LayoutError
+from tenplex.ptree.buffer import Bucketing, FlatBuffer
 
-__all__ = ["StageKind", "Stage", "Split", "Padding", "DPShard", "FlatBuffer", "Layout"]
+__all__ = ["StageKind", "Stage", "Split", "Padding", "DPShard", "Expert", "FlatBuffer",
+           "Bucketing", "Layout"]
 
 
 class StageKind(enum.Enum):
@@ -128,14 +134,18 @@ class Split:
     def part_lengths(self, axis_length: int) -> tuple[int, ...]:
         return self.parts if self.parts is not None else (axis_length,)
 
-    def check(self, axis_length: int, tp: int, where: str) -> None:
+    def check(self, axis_length: int, tp: int, where: str, degree: str = "tp") -> None:
         """Check that ``tp`` cuts every part on whole granules.
 
-        Raises:
-            ConfigError: naming the leaf, tp and the unit count it does not divide.
-        """
-        from tenplex.errors import ConfigError
+        Args:
+            axis_length: the (padded) length of the split axis, in elements.
+            tp: the split degree.
+            where: the leaf's path, for messages.
+            degree: the degree's name in messages (``"etp"`` for experts).
 
+        Raises:
+            ConfigError: naming the leaf, the degree and the unit count it does not divide.
+        """
         parts = self.part_lengths(axis_length)
         if sum(parts) != axis_length:
             raise LayoutError(
@@ -151,7 +161,7 @@ class Split:
                 )
             if units % tp:
                 name = self.unit or f"axis {self.axis} length"
-                raise ConfigError(f"tp={tp} does not divide {name}={units} ({where})")
+                raise ConfigError(f"{degree}={tp} does not divide {name}={units} ({where})")
 
     def __str__(self) -> str:
         text = f"S({self.axis}"
@@ -227,62 +237,6 @@ class Padding:
 
 
 @dataclass(frozen=True)
-class FlatBuffer:
-    """A flat buffer sharded across dp, as Megatron's distributed optimizer does.
-
-    For one (tp, pp) coordinate, the buffer holds the tp-local shards of the
-    ``members`` that live on that stage, flattened, in ``members`` order.
-    Each member starts on a multiple of ``align`` elements. Members are cut
-    into buckets: a bucket is closed once it holds at least ``bucket_numel``
-    elements (``None``: one bucket). Each bucket's length is padded to a
-    multiple of ``lcm(dp, pad_multiple)`` and cut into ``dp`` equal contiguous
-    ranges; dp rank ``d`` holds range ``d`` of every bucket. Ranges may cross
-    member boundaries. (Megatron-core 0.16: ``param_and_grad_buffer.py``
-    aligns each param to 64 elements and pads each bucket to a multiple of
-    ``lcm(dp, 128)`` when the distributed optimizer is on.)
-
-    Attributes:
-        name: the buffer's name, referenced by :class:`DPShard`.
-        members: member keys in buffer order (usually parameter paths).
-        align: element alignment of each member's start.
-        pad_multiple: bucket lengths are padded to ``lcm(dp, pad_multiple)``.
-        bucket_numel: bucket size threshold in elements, or ``None``.
-    """
-
-    name: str
-    members: tuple[str, ...]
-    align: int = 1
-    pad_multiple: int = 1
-    bucket_numel: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "members", tuple(self.members))
-        if len(set(self.members)) != len(self.members):
-            raise LayoutError(f"FlatBuffer {self.name!r}: members repeat")
-        if self.align < 1 or self.pad_multiple < 1:
-            raise LayoutError(f"FlatBuffer {self.name!r}: align and pad_multiple must be >= 1")
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "members": list(self.members),
-            "align": self.align,
-            "pad_multiple": self.pad_multiple,
-            "bucket_numel": self.bucket_numel,
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict) -> "FlatBuffer":
-        return cls(
-            obj["name"],
-            tuple(obj["members"]),
-            int(obj.get("align", 1)),
-            int(obj.get("pad_multiple", 1)),
-            obj.get("bucket_numel"),
-        )
-
-
-@dataclass(frozen=True)
 class DPShard:
     """Membership in a dp-sharded flat buffer.
 
@@ -308,6 +262,51 @@ class DPShard:
 
 
 @dataclass(frozen=True)
+class Expert:
+    """Membership in one expert of a mixture-of-experts layer.
+
+    With ``ep`` expert-parallel ranks, ep rank ``e`` holds the contiguous
+    block of experts ``[e * count / ep, (e + 1) * count / ep)``; local index
+    ``i`` on ep rank ``e`` is global expert ``e * count / ep + i``
+    (megatron-core 0.16 ``MoELayer.local_expert_indices``).
+
+    Attributes:
+        index: the global expert id, ``0 <= index < count``.
+        count: experts in the layer (megatron's ``num_moe_experts``).
+    """
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise LayoutError(f"Expert: index {self.index} is outside [0, count={self.count})")
+
+    def check(self, ep: int, where: str) -> None:
+        """Raise ConfigError ``"ep=3 does not divide num_moe_experts=8 (...)"`` if ep does not fit."""
+        if self.count % ep:
+            raise ConfigError(f"ep={ep} does not divide num_moe_experts={self.count} ({where})")
+
+    def owner(self, ep: int) -> int:
+        """The ep rank that holds this expert."""
+        return self.index // (self.count // ep)
+
+    def local_index(self, ep: int) -> int:
+        """This expert's index among its ep rank's local experts."""
+        return self.index % (self.count // ep)
+
+    def __str__(self) -> str:
+        return f"expert {self.index}/{self.count}"
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "count": self.count}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Expert":
+        return cls(int(obj["index"]), int(obj["count"]))
+
+
+@dataclass(frozen=True)
 class Layout:
     """How a tensor leaf is cut for a parallel config.
 
@@ -316,12 +315,15 @@ class Layout:
         split: tensor-parallel split, or ``None`` for replicated across tp.
         padding: axis padding, or ``None``.
         dp_shard: dp-sharded buffer membership, or ``None`` for dp replicas.
+        expert: expert membership, or ``None`` for a dense tensor. An expert
+            tensor's split and padding follow etp instead of tp.
     """
 
     stage: Stage = Stage(StageKind.ALL)
     split: Split | None = None
     padding: Padding | None = None
     dp_shard: DPShard | None = None
+    expert: Expert | None = None
 
     def check_rank(self, ndim: int, where: str) -> None:
         """Raise LayoutError if an axis is out of range for an ``ndim`` tensor."""
@@ -337,6 +339,8 @@ class Layout:
             items.append(str(self.padding))
         if self.dp_shard:
             items.append(str(self.dp_shard))
+        if self.expert:
+            items.append(str(self.expert))
         return " ".join(items)
 
     def to_json(self) -> dict:
@@ -347,6 +351,8 @@ class Layout:
             obj["padding"] = self.padding.to_json()
         if self.dp_shard:
             obj["dp_shard"] = self.dp_shard.to_json()
+        if self.expert:
+            obj["expert"] = self.expert.to_json()
         return obj
 
     @classmethod
@@ -356,4 +362,5 @@ class Layout:
             Split.from_json(obj["split"]) if "split" in obj else None,
             Padding.from_json(obj["padding"]) if "padding" in obj else None,
             DPShard.from_json(obj["dp_shard"]) if "dp_shard" in obj else None,
+            Expert.from_json(obj["expert"]) if "expert" in obj else None,
         )

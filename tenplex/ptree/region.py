@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from tenplex.errors import LayoutError
 
@@ -88,7 +88,7 @@ def volume(box: Box) -> int:
 
 def nbytes(box: Box, itemsize: int) -> int:
     """Bytes in ``box`` for elements of ``itemsize`` bytes."""
-    return prod(box.sizes) * itemsize
+    return volume(box) * itemsize
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -228,8 +228,3 @@ def is_contiguous(box: Box, shape: Sequence[int]) -> bool:
         return True
     first = axes[0]
     return all(box.offsets[j] == 0 and box.sizes[j] == shape[j] for j in range(first + 1, len(shape)))
-
-
-def total_volume(boxes: Iterable[Box]) -> int:
-    """Sum of the volumes of ``boxes`` (which should be disjoint)."""
-    return sum(prod(b.sizes) for b in boxes)

@@ -13,6 +13,7 @@ tensor (see :mod:`tenplex.ptree.sharding`) or value.
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any, Mapping
 
 import torch
@@ -33,11 +34,8 @@ def piece_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
 
     Writes through the view land in ``local`` (``local`` must be contiguous).
     """
-    flat = local.view(-1)
-    n = 1
-    for s in piece.view:
-        n *= s
-    return flat[piece.offset: piece.offset + n].view(piece.view)[to_slices(piece.local)]
+    n = prod(piece.view)
+    return local.view(-1)[piece.offset: piece.offset + n].view(piece.view)[to_slices(piece.local)]
 
 
 def check_shard(path: str, leaf: TensorLeaf, held: Holding, tensor: Any, rank: int) -> None:
@@ -169,13 +167,13 @@ def _held_regions(path, leaf, sharding, shards_by_rank, shape, every_replica: bo
     With ``every_replica`` False, only each holder class's lowest rank is visited.
     """
     extent = Box((0,) * len(shape), tuple(shape))
-    for cls in sharding.classes(path):
-        for rank in cls.ranks if every_replica else cls.ranks[:1]:
+    for holders in sharding.classes(path):
+        for rank in holders.ranks if every_replica else holders.ranks[:1]:
             local = shards_by_rank[rank].get(path)
             if local is None:
                 raise ShardError(f"rank {rank}: leaf {path} is missing from its shards")
-            check_shard(path, leaf, cls.holding, local, rank)
-            for piece in cls.holding.pieces:
+            check_shard(path, leaf, holders.holding, local, rank)
+            for piece in holders.holding.pieces:
                 inside = intersect(piece.box, extent)
                 if inside is not None:
                     yield rank, inside, piece_view(local, piece)[to_slices(relative(inside, piece.box))]

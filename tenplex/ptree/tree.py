@@ -25,7 +25,7 @@ from typing import Iterator, Mapping, Union
 import torch
 
 from tenplex.errors import ConfigError, LayoutError, PathError
-from tenplex.ptree.config import AXES, ParallelConfig
+from tenplex.ptree.config import COORD_AXES, ParallelConfig
 from tenplex.ptree.layout import FlatBuffer, Layout, StageKind
 
 __all__ = [
@@ -53,7 +53,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """Dtype names tenplex stores (safetensors' names lower-cased) and their torch dtypes."""
 
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _SEGMENT = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
@@ -67,13 +66,6 @@ def torch_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise LayoutError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise LayoutError(f"dtype {dtype} is not supported; expected one of {sorted(DTYPES)}") from None
 
 
 def check_path(path: str) -> str:
@@ -142,8 +134,9 @@ class ValueLeaf:
 
     Attributes:
         scope: see :class:`Scope`.
-        axes: for ``Scope.COORD``, the axes the value varies along, a subset
-            of ``("tp", "dp", "pp")`` in that order.
+        axes: for ``Scope.COORD``, the axes the value varies along: distinct
+            :class:`~tenplex.ptree.config.Coord` fields, e.g. ``("tp", "pp")``
+            or ``("ep", "etp", "pp")``.
     """
 
     scope: Scope = Scope.GLOBAL
@@ -151,7 +144,8 @@ class ValueLeaf:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "axes", tuple(self.axes))
-        if (self.scope is Scope.COORD) != bool(self.axes) or not set(self.axes) <= set(AXES):
+        if (self.scope is Scope.COORD) != bool(self.axes) or not set(self.axes) <= set(COORD_AXES) \
+                or len(set(self.axes)) != len(self.axes):
             raise LayoutError(f"ValueLeaf: scope {self.scope.value} with axes {self.axes} do not fit")
 
     def key(self, config: ParallelConfig, rank: int) -> str:
@@ -249,18 +243,32 @@ class PTree:
 
         Raises:
             ConfigError: naming the violated constraint, e.g.
-                ``"tp=3 does not divide num_query_groups=8 (model/layers/0/...)"``
-                or ``"pp=3 does not divide num_layers=8"``.
+                ``"tp=3 does not divide num_query_groups=8 (model/layers/0/...)"``,
+                ``"pp=3 does not divide num_layers=8"``,
+                ``"vpp=2 does not divide the 3 layers of stage 0 (...)"``,
+                ``"ep=3 does not divide num_moe_experts=8 (...)"``, or an etp
+                that the experts' distributed-optimizer state cannot follow
+                when ep = 1.
         """
-        config.layers_per_stage(self.num_layers)
+        config.check_layers(self.num_layers)
         for path, leaf in self.tensors():
             layout = leaf.layout
+            degree, name = config.tp, "tp"
+            if layout.expert is not None:
+                layout.expert.check(config.ep, path)
+                degree, name = config.etp, "etp"
+                if layout.dp_shard is not None and config.ep == 1 \
+                        and not config.etp_follows_dp_cp_groups:
+                    raise ConfigError(
+                        f"{config}: with ep=1 the experts' distributed-optimizer state is sharded "
+                        f"over dp-cp groups (megatron-core keeps it in the dense buffer), whose "
+                        f"ranks hold different etp={config.etp} shards; use etp=1 or etp=tp ({path})")
             if layout.split is None:
                 continue
             length = leaf.shape[layout.split.axis]
             if layout.padding is not None and layout.padding.axis == layout.split.axis:
-                length = layout.padding.padded(length, config.tp)
-            layout.split.check(length, config.tp, path)
+                length = layout.padding.padded(length, degree)
+            layout.split.check(length, degree, path, name)
 
     def to_json(self) -> dict:
         return {

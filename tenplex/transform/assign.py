@@ -17,7 +17,7 @@ from scipy.optimize import linear_sum_assignment
 
 from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
-from tenplex.ptree.region import intersect
+from tenplex.ptree.region import intersect, volume
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
 from tenplex.transform.placement import Device, Placement
@@ -34,19 +34,16 @@ def bytes_in_common(tree: PTree, src: ParallelConfig, dst: ParallelConfig) -> np
     S, D = Sharding(tree, src), Sharding(tree, dst)
     weight = np.zeros((dst.world_size, src.world_size), dtype=np.int64)
     for path, leaf in tree.tensors():
-        for dcls in D.classes(path):
-            for scls in S.classes(path):
+        for dst_holders in D.classes(path):
+            for src_holders in S.classes(path):
                 n = 0
-                for tp in dcls.holding.pieces:
-                    for sp in scls.holding.pieces:
-                        inter = intersect(tp.box, sp.box)
+                for dst_piece in dst_holders.holding.pieces:
+                    for src_piece in src_holders.holding.pieces:
+                        inter = intersect(dst_piece.box, src_piece.box)
                         if inter is not None:
-                            v = 1
-                            for z in inter.sizes:
-                                v *= z
-                            n += v
+                            n += volume(inter)
                 if n:
-                    weight[np.ix_(dcls.ranks, scls.ranks)] += n * leaf.itemsize
+                    weight[np.ix_(dst_holders.ranks, src_holders.ranks)] += n * leaf.itemsize
     return weight
 
 

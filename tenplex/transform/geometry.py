@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tenplex.ptree.region import Box, contains, full_box, intersect, subtract
+from tenplex.ptree.region import Box, contains, full_box, intersect, subtract, volume
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import TensorLeaf
 from tenplex.transform.plan import KIND_CODE, OpKind
@@ -46,10 +46,17 @@ class Segment:
     alts: tuple[tuple[int, int, int], ...]
 
 
-def signature(S: Sharding, D: Sharding, leaf: TensorLeaf) -> tuple:
-    """Leaves with equal signatures have equal geometry under (S, D)."""
-    return (S.physical_shape(leaf), D.physical_shape(leaf), leaf.layout.split,
-            S.stages(leaf), D.stages(leaf), leaf.layout.dp_shard)
+def signature(src: Sharding, dst: Sharding, leaf: TensorLeaf) -> tuple:
+    """Leaves with equal signatures have equal geometry under the source and target shardings.
+
+    The signature holds
+    the padded shapes, the split, the stages on both sides, the buffer
+    membership (for dp-sharded leaves) and, for experts, the owning ep rank
+    on both sides.
+    """
+    return (src.physical_shape(leaf), dst.physical_shape(leaf), leaf.layout.split,
+            src.stages(leaf), dst.stages(leaf), leaf.layout.dp_shard, src.owner(leaf),
+            dst.owner(leaf))
 
 
 class _Cand:
@@ -92,7 +99,7 @@ class LeafGeometry:
     """Source pools and target classes of one kind of leaf, with cached covers.
 
     Attributes:
-        pools: per source holder class, its live ranks (int32 arrays).
+        pools: per source holder class, its live ranks (int64 arrays).
         member: ``member[pool, rank]``: ``rank`` is a live rank of ``pool``;
             shape ``[pools, src_world + 1]`` (the last column is a sentinel
             for "no rank").
@@ -101,36 +108,41 @@ class LeafGeometry:
         dst_classes: per target holder class, ``(ranks, pieces' boxes)``.
 
     Args:
+        src, dst: the tree under the source and target configs.
+        path: the tensor leaf.
+        alive_mask: ``[src world + 1]`` bool, the live source ranks.
         shared: a cover memo shared between geometries; covers are keyed by
             their geometry relative to the target box, so a translated copy
             (the same picture on another tp rank) is computed once.
+        tp_coord: only the classes of this split rank (tp, or etp for
+            experts) on both sides; ``None`` for all.
     """
 
-    def __init__(self, S: Sharding, D: Sharding, path: str, alive_mask: np.ndarray,
+    def __init__(self, src: Sharding, dst: Sharding, path: str, alive_mask: np.ndarray,
                  shared: dict | None = None, tp_coord: int | None = None):
-        leaf = S.tree[path]
+        leaf = src.tree[path]
         self._shared = {} if shared is None else shared
-        world = S.config.world_size
-        self.extent = full_box(S.physical_shape(leaf))
-        src_classes = S.classes(path, tp_coord)
+        world = src.config.world_size
+        self.extent = full_box(src.physical_shape(leaf))
+        src_classes = src.classes(path, tp_coord)
         self.class_of_src = np.full(world + 1, -1, dtype=np.int64)
         self.pools: list[np.ndarray] = []
         self.member = np.zeros((len(src_classes), world + 1), dtype=bool)
         self.pool_boxes: list[tuple[Box, ...]] = []
         cands = []
-        for k, cls in enumerate(src_classes):
-            ranks = np.asarray(cls.ranks, dtype=np.int64)
+        for k, holders in enumerate(src_classes):
+            ranks = np.asarray(holders.ranks, dtype=np.int64)
             self.class_of_src[ranks] = k
             live = ranks[alive_mask[ranks]]
             self.pools.append(live)
             self.member[k, live] = True
-            boxes = tuple(p.box for p in cls.holding.pieces)
+            boxes = tuple(p.box for p in holders.holding.pieces)
             self.pool_boxes.append(boxes)
             if len(live):
                 cands.extend(_Cand(k, i, b) for i, b in enumerate(boxes))
         self.index = _Index(cands)
         self.dst_classes = [(np.asarray(c.ranks, dtype=np.int64), tuple(p.box for p in c.holding.pieces))
-                            for c in D.classes(path, tp_coord)]
+                            for c in dst.classes(path, tp_coord)]
         self._covers: dict = {}
         self._lb: dict = {}
 
@@ -173,20 +185,42 @@ class LeafGeometry:
                     continue
                 held = (_union_volume(inside, self.pool_boxes[prefer])
                         if prefer >= 0 and len(self.pools[prefer]) else 0)
-                hit += _volume(inside) - held
+                hit += volume(inside) - held
             self._lb[key] = hit
         return hit
 
 
-def tp_symmetric(S: Sharding, D: Sharding, leaf: TensorLeaf) -> bool:
-    """True if tp rank ``t``'s geometry is tp rank 0's shifted (same tp-local frame)."""
+def tp_symmetric(src: Sharding, dst: Sharding, leaf: TensorLeaf) -> bool:
+    """True if split rank ``t``'s geometry is split rank 0's shifted (same split-local frame).
+
+    The split rank is the tp rank, or the etp rank for experts. Shifting a
+    rank by the split coordinate's stride must keep every other coordinate
+    its holding depends on; that fails only for an expert leaf in a dense
+    flat-buffer part (ep = 1, grouped by dp-cp rank) whose etp differs from
+    tp or is laid out differently.
+    """
     split = leaf.layout.split
-    return (split is not None and S.config.tp == D.config.tp > 1
-            and S.physical_shape(leaf) == D.physical_shape(leaf))
+    if split is None or src.degree(leaf) != dst.degree(leaf) or src.degree(leaf) < 2 \
+            or src.physical_shape(leaf) != dst.physical_shape(leaf):
+        return False
+    if leaf.layout.expert is not None and leaf.layout.dp_shard is not None:
+        for sharding in (src, dst):
+            c = sharding.config
+            if not sharding.expert_part(leaf) and (c.etp != c.tp or c.stride("etp") != c.stride("tp")):
+                return False
+    return True
 
 
 def tp_shift(leaf_shape: tuple, split, tp: int, offsets: np.ndarray, t: int) -> np.ndarray:
-    """Offsets of tp rank 0's boxes moved to tp rank ``t`` (each part by ``t * chunk``)."""
+    """Offsets of split rank 0's boxes moved to split rank ``t`` of ``tp`` (each part by ``t * chunk``).
+
+    Args:
+        leaf_shape: the padded global shape.
+        split: the leaf's split.
+        tp: the split degree (tp, or etp for experts).
+        offsets: ``[boxes, ndim]`` int64 box offsets of split rank 0.
+        t: the split rank to move them to.
+    """
     axis = split.axis
     parts = split.part_lengths(leaf_shape[axis])
     starts = np.cumsum((0,) + parts[:-1])
@@ -254,14 +288,8 @@ def _union_volume(target: Box, boxes) -> int:
             if inter is None:
                 rest.append(box)
             else:
-                covered += _volume(inter)
+                covered += volume(inter)
                 rest.extend(subtract(box, inter))
         remaining = rest
     return covered
 
-
-def _volume(box: Box) -> int:
-    n = 1
-    for s in box.sizes:
-        n *= s
-    return n

@@ -6,7 +6,8 @@ It does no I/O and touches no tensor data.
 For every tensor leaf and every target rank, each piece the rank must hold
 is covered, exactly once, by boxes of live source pieces
 (:mod:`tenplex.transform.geometry`). Several sources may hold the same box
-(dp replicas, tied embedding copies). The choice among them:
+(dp and cp replicas, expert-dp replicas of an expert, tied embedding
+copies). The choice among them:
 
 1. a source on the target's own device: nothing moves;
 2. else a source on the target's host; among several, the least loaded;
@@ -20,10 +21,11 @@ to the even share. Padding that only the target has becomes FILL ops.
 Boxes no live source holds raise :class:`~tenplex.errors.MissingDataError`,
 or become STORE reads with ``store_fallback=True``.
 
-Cost: geometry is computed once per kind of leaf (see
-:func:`~tenplex.transform.geometry.signature`) and source choice is
-vectorized over target ranks, so planning GPT-3 175B from 1024 to 2048
-ranks takes seconds (``bench/plan_scale.py``).
+Cost: geometry and every load-free choice are computed once per kind of
+leaf (a :class:`~tenplex.transform.template.Template` per
+:func:`~tenplex.transform.geometry.signature`) and the rest is vectorized
+over target ranks, so planning GPT-3 175B from 1024 to 2048 ranks takes
+seconds (``bench/plan_scale.py``).
 """
 
 from __future__ import annotations
@@ -39,17 +41,13 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.region import Box
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, TensorLeaf
-from tenplex.transform.geometry import (COPY, MISSING, LeafGeometry, signature, tp_shift,
-                                       tp_symmetric)
+from tenplex.transform.geometry import signature
 from tenplex.transform.placement import Placement
-from tenplex.transform.plan import (KIND_CODE, LINK_CODE, STORE_RANK, Link, OpKind, OpTable,
-                                    PaddingChange, Plan, Totals, ValueOp)
+from tenplex.transform.plan import STORE_RANK, OpTable, PaddingChange, Plan, Totals, ValueOp
+from tenplex.transform.template import (FILL_KIND, HOST, LOCAL, NETWORK, STORE, Choice, Devices,
+                                        Segments, TemplateMaker)
 
 __all__ = ["make_plan"]
-
-_LOCAL, _HOST, _NET, _STORE = (LINK_CODE[Link.LOCAL], LINK_CODE[Link.HOST],
-                               LINK_CODE[Link.NETWORK], LINK_CODE[Link.STORE])
-_FILL_KIND = KIND_CODE[OpKind.FILL]
 
 
 def make_plan(tree: PTree, src: ParallelConfig, dst: ParallelConfig, *,
@@ -134,247 +132,108 @@ def _value_ops(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: set
     return tuple(ops)
 
 
-class _Template:
-    """Rows (target rank x segment) of one LeafGeometry, with every load-free choice made."""
-
-    __slots__ = ("dst", "seg", "src", "alt", "link", "typ", "offsets", "sizes", "dst_piece",
-                 "volume", "pools", "pieces", "kinds", "net_groups", "host_groups", "static_moved",
-                 "lb_volume", "lb_net_volume", "missing_rows", "prefer")
-
-
 class _Builder:
-    def __init__(self, tree, S: Sharding, D: Sharding, src_pl: Placement, dst_pl: Placement,
-                 alive: set, store_fallback: bool):
-        self.tree, self.S, self.D = tree, S, D
+    """Emits every leaf's ops, making the load-dependent source choices as it goes.
+
+    Args:
+        tree: the tree spec.
+        src_sharding, dst_sharding: the tree under the source and target configs.
+        src_pl, dst_pl: where the source and target ranks run.
+        alive: the live source ranks.
+        store_fallback: plan regions no live rank holds as STORE reads.
+    """
+
+    def __init__(self, tree, src_sharding: Sharding, dst_sharding: Sharding, src_pl: Placement,
+                 dst_pl: Placement, alive: set, store_fallback: bool):
+        self.tree = tree
+        self.src_sharding, self.dst_sharding = src_sharding, dst_sharding
         self.store_fallback = store_fallback
-        ws = S.config.world_size
-        self.alive_mask = np.zeros(ws + 1, dtype=bool)
-        self.alive_mask[sorted(alive)] = True
+        ws = src_sharding.config.world_size
+        alive_mask = np.zeros(ws + 1, dtype=bool)
+        alive_mask[sorted(alive)] = True
         hosts = sorted({d.host for d in src_pl.devices} | {d.host for d in dst_pl.devices})
         host_id = {h: i for i, h in enumerate(hosts)}
-        self.n_hosts = len(hosts)
-        self.src_host = np.array([host_id[d.host] for d in src_pl.devices], dtype=np.int64)
-        self.dst_host = np.array([host_id[d.host] for d in dst_pl.devices], dtype=np.int64)
         on_device = {d: r for r, d in enumerate(src_pl.devices) if r in alive}
-        self.src_on_dev = np.array([on_device.get(d, ws) for d in dst_pl.devices], dtype=np.int64)
-        self.ndim = max((len(l.shape) for _, l in tree.tensors()), default=0)
+        devices = Devices(
+            src_host=np.array([host_id[d.host] for d in src_pl.devices], dtype=np.int64),
+            dst_host=np.array([host_id[d.host] for d in dst_pl.devices], dtype=np.int64),
+            src_on_device=np.array([on_device.get(d, ws) for d in dst_pl.devices], dtype=np.int64),
+            n_hosts=len(hosts))
+        ndim = max((len(l.shape) for _, l in tree.tensors()), default=0)
+        self.maker = TemplateMaker(src_sharding, dst_sharding, alive_mask, devices, ndim)
         self.loads = np.zeros(ws + 1, dtype=np.int64)
-        self.all_alive = bool(self.alive_mask[:ws].all())
-        self.src_tp = np.array([S.config.coord(r).tp for r in range(ws)] + [-1], dtype=np.int64)
         self.templates: dict = {}
-        self.covers: dict = {}
-        self.chunks: list[dict] = []
+        self.columns: list[dict] = []  # per leaf: its ops' OpTable columns
         self.missing: dict[str, list[Box]] = {}
         self.padding: list[PaddingChange] = []
-        self.lb = self.lb_net = 0
+        self.lower_bound = self.lower_bound_network = 0  # bytes
         self.paths: list[str] = []
         self.ndims: list[int] = []
 
     # -- per leaf ----------------------------------------------------------
     def leaf(self, index: int, path: str, leaf: TensorLeaf) -> None:
+        """Emit the ops of tensor leaf ``path`` (number ``index`` in tree order).
+
+        Leaves of one kind share a :class:`~tenplex.transform.template.Template`
+        (made on first sight); this adds the leaf's bytes to the lower
+        bounds, records padding changes and missing regions, and chooses the
+        sources left to load.
+        """
         self.paths.append(path)
         self.ndims.append(len(leaf.shape))
-        src_shape, dst_shape = self.S.physical_shape(leaf), self.D.physical_shape(leaf)
+        src_shape = self.src_sharding.physical_shape(leaf)
+        dst_shape = self.dst_sharding.physical_shape(leaf)
         if leaf.layout.padding is not None and src_shape != dst_shape:
             axis = leaf.layout.padding.axis
             self.padding.append(PaddingChange(path, axis, leaf.shape[axis], src_shape[axis],
                                               dst_shape[axis]))
-        key = signature(self.S, self.D, leaf)
-        T = self.templates.get(key)
-        if T is None:
-            T = self.templates[key] = self._make_template(path, leaf)
+        key = signature(self.src_sharding, self.dst_sharding, leaf)
+        template = self.templates.get(key)
+        if template is None:
+            template = self.templates[key] = self.maker.make(path, leaf)
+        rows, segments, choice = template.rows, template.segments, template.choice
         itemsize = leaf.itemsize
-        self.lb += T.lb_volume * itemsize
-        self.lb_net += T.lb_net_volume * itemsize
-        if len(T.missing_rows) and not self.store_fallback:
+        self.lower_bound += rows.unheld * itemsize
+        self.lower_bound_network += choice.lb_net_volume * itemsize
+        if len(choice.missing_rows) and not self.store_fallback:
             boxes = self.missing.setdefault(path, [])
-            for s in dict.fromkeys(T.seg[T.missing_rows].tolist()):
-                boxes.append(_box(T, s, len(leaf.shape)))
+            for s in dict.fromkeys(rows.seg[choice.missing_rows].tolist()):
+                boxes.append(_box(segments, s, len(leaf.shape)))
             return
-        nbytes = T.volume[T.seg] * itemsize
-        src = self._choose(T, nbytes)
-        self.chunks.append({
-            "path": np.full(len(T.seg), index, dtype=np.int32),
-            "dst": T.dst, "src": src, "offsets": T.offsets[T.seg], "sizes": T.sizes[T.seg],
-            "src_piece": T.pieces[T.alt, T.seg], "dst_piece": T.dst_piece[T.seg],
-            "nbytes": nbytes, "kind": T.kinds[T.alt, T.seg], "link": T.link,
+        nbytes = segments.volume[rows.seg] * itemsize
+        src = self._choose(choice, nbytes)
+        self.columns.append({
+            "path": np.full(len(rows.seg), index, dtype=np.int32),
+            "dst": rows.dst, "src": src, "offsets": segments.offsets[rows.seg],
+            "sizes": segments.sizes[rows.seg], "src_piece": segments.pieces[choice.alt, rows.seg],
+            "dst_piece": segments.dst_piece[rows.seg], "nbytes": nbytes,
+            "kind": segments.kinds[choice.alt, rows.seg], "link": choice.link,
         })
 
-    def _choose(self, T: _Template, nbytes: np.ndarray) -> np.ndarray:
-        """Source ranks for every row, with load-dependent choices made now."""
-        src = T.src.copy()
+    def _choose(self, choice: Choice, nbytes: np.ndarray) -> np.ndarray:
+        """Source ranks for every row: the static choices, then each group dealt out by load.
+
+        Args:
+            choice: the template's static choices.
+            nbytes: ``[rows]`` int64, each row's bytes for this leaf's dtype.
+        """
+        src = choice.src.copy()
         loads = self.loads
-        if len(T.static_moved):
-            np.add.at(loads, src[T.static_moved], nbytes[T.static_moved])
-        for candidates, rows in T.host_groups + T.net_groups:
+        if len(choice.static_moved):
+            np.add.at(loads, src[choice.static_moved], nbytes[choice.static_moved])
+        for candidates, rows in choice.host_groups + choice.net_groups:
             order = np.lexsort((candidates, loads[candidates]))
             chosen = candidates[order][np.arange(len(rows)) % len(candidates)]
             src[rows] = chosen
             np.add.at(loads, chosen, nbytes[rows])
         return src
 
-    def _make_template(self, path: str, leaf: TensorLeaf) -> _Template:
-        if self.all_alive and tp_symmetric(self.S, self.D, leaf):
-            g0 = LeafGeometry(self.S, self.D, path, self.alive_mask, self.covers, tp_coord=0)
-            T = self._tiled_template(g0, leaf)
-            if T is not None:
-                return T
-        g = LeafGeometry(self.S, self.D, path, self.alive_mask, self.covers)
-        segs, T = self._rows(g)
-        self._segment_table(T, segs)
-        self._static_choice(T, g.pools, g.member)
-        return T
-
-    def _rows(self, g: LeafGeometry) -> tuple[list, _Template]:
-        """Segments and (target rank, segment) rows of ``g``, grouped by preferred pool."""
-        segs: list = []
-        dst: list = []
-        seg: list = []
-        lb = 0
-        T = _Template()
-        T.prefer = []
-        for k, (ranks, _) in enumerate(g.dst_classes):
-            prefer = g.class_of_src[self.src_on_dev[ranks]]
-            T.prefer.append(prefer)
-            for p in (prefer.tolist() if len(ranks) == 1 else np.unique(prefer).tolist()):
-                group = ranks if len(ranks) == 1 else ranks[prefer == p]
-                ss = g.segments(k, p)
-                off = len(segs)
-                segs.extend(ss)
-                if len(group) == 1:
-                    dst.append(np.full(len(ss), group[0], dtype=np.int64))
-                    seg.append(np.arange(off, off + len(ss)))
-                else:
-                    dst.append(np.repeat(group, len(ss)))
-                    seg.append(np.tile(np.arange(off, off + len(ss)), len(group)))
-                lb += g.unheld_volume(k, p) * len(group)
-        T.dst = np.concatenate(dst) if dst else np.zeros(0, np.int64)
-        T.seg = np.concatenate(seg) if seg else np.zeros(0, np.int64)
-        T.lb_volume = lb
-        return segs, T
-
-    def _tiled_template(self, g0: LeafGeometry, leaf: TensorLeaf) -> _Template | None:
-        """tp rank 0's rows tiled over every tp rank; None if device locality is not tp-symmetric."""
-        tp = self.S.config.tp
-        ss, sd = self.S.config.stride("tp"), self.D.config.stride("tp")
-        segs, T = self._rows(g0)
-        ws = self.S.config.world_size
-        if g0.dst_classes:
-            ranks = np.concatenate([r for r, _ in g0.dst_classes])
-            prefer = np.concatenate(T.prefer)
-            shifts = np.arange(1, tp)[:, None]
-            loc = self.src_on_dev[ranks[None, :] + shifts * sd]
-            back = np.where(self.src_tp[loc] == shifts, loc - shifts * ss, ws)
-            if not np.array_equal(g0.class_of_src[back], np.broadcast_to(prefer, back.shape)):
-                return None
-        self._segment_table(T, segs)
-        m, n = len(segs), len(T.seg)
-        P0 = len(g0.pools)
-        shape = self.S.physical_shape(leaf)
-        T.offsets = np.concatenate([tp_shift(shape, leaf.layout.split, tp, T.offsets, t)
-                                    for t in range(tp)])
-        for name in ("sizes", "typ", "dst_piece", "volume"):
-            setattr(T, name, np.concatenate([getattr(T, name)] * tp))
-        T.pools = np.concatenate([np.where(T.pools >= 0, T.pools + t * P0, -1)
-                                  for t in range(tp)], axis=1)
-        T.pieces = np.concatenate([T.pieces] * tp, axis=1)
-        T.kinds = np.concatenate([T.kinds] * tp, axis=1)
-        T.dst = np.concatenate([T.dst + t * sd for t in range(tp)])
-        T.seg = np.concatenate([T.seg + t * m for t in range(tp)])
-        T.lb_volume *= tp
-        pools = [pool + t * ss for t in range(tp) for pool in g0.pools]
-        member = np.zeros((max(len(pools), 1), ws + 1), dtype=bool)
-        for i, pool in enumerate(pools):
-            member[i, pool] = True
-        assert len(T.seg) == n * tp
-        self._static_choice(T, pools, member)
-        return T
-
-    def _segment_table(self, T: _Template, segs) -> None:
-        m, d = len(segs), self.ndim
-        alts = max((len(s.alts) for s in segs), default=0) or 1
-        T.typ = np.array([s.type for s in segs], dtype=np.int8)
-        T.offsets = np.zeros((m, d), dtype=np.int64)
-        T.sizes = np.ones((m, d), dtype=np.int64)
-        for i, s in enumerate(segs):
-            n = len(s.box.sizes)
-            T.offsets[i, :n] = s.box.offsets
-            T.sizes[i, :n] = s.box.sizes
-        T.dst_piece = np.array([s.dst_piece for s in segs], dtype=np.int32)
-        T.volume = np.prod(T.sizes, axis=1) if m else np.zeros(0, np.int64)
-        pools = np.full((alts, m), -1, dtype=np.int64)
-        T.pieces = np.full((alts, m), -1, dtype=np.int32)
-        T.kinds = np.full((alts, m), _FILL_KIND, dtype=np.int8)
-        for i, s in enumerate(segs):
-            for a, (pool, piece, kind) in enumerate(s.alts):
-                pools[a, i], T.pieces[a, i], T.kinds[a, i] = pool, piece, kind
-            if s.type == MISSING:
-                T.kinds[0, i] = KIND_CODE[OpKind.REPARTITION]
-        T.pools = pools
-
-    def _static_choice(self, T: _Template, pools_live: list, member: np.ndarray) -> None:
-        n, seg = len(T.seg), T.seg
-        pools = T.pools
-        typ = T.typ[seg]
-        loc = self.src_on_dev[T.dst]
-        T.src = np.full(n, STORE_RANK, dtype=np.int64)
-        T.alt = np.zeros(n, dtype=np.int64)
-        T.link = np.full(n, _LOCAL, dtype=np.int8)
-        undecided = typ == COPY
-        for a in range(pools.shape[0]):
-            pa = pools[a, seg]
-            ok = undecided & (pa >= 0) & member[np.maximum(pa, 0), loc]
-            T.src[ok], T.alt[ok] = loc[ok], a
-            undecided &= ~ok
-        host = self.dst_host[T.dst]
-        counts, first = self._host_tables(pools_live)
-        p0 = np.maximum(pools[0, seg], 0)
-        on_host = counts[p0, host]
-        single = undecided & (on_host == 1)
-        T.src[single], T.link[single] = first[p0[single], host[single]], _HOST
-        multi = undecided & (on_host > 1)
-        net = undecided & (on_host == 0)
-        T.link[multi], T.link[net] = _HOST, _NET
-        sizes = np.array([len(pool) for pool in pools_live] or [0], dtype=np.int64)
-        firsts = np.array([pool[0] if len(pool) else STORE_RANK for pool in pools_live] or [0],
-                          dtype=np.int64)
-        sole = net & (sizes[p0] == 1)  # one live replica: nothing to choose
-        T.src[sole] = firsts[p0[sole]]
-        net &= ~sole
-        T.static_moved = np.nonzero(single | sole)[0]
-        T.host_groups = []
-        for key in np.unique(p0[multi] * self.n_hosts + host[multi]).tolist():
-            p, h = divmod(key, self.n_hosts)
-            rows = np.nonzero(multi & (p0 == p) & (host == h))[0]
-            live = pools_live[p]
-            T.host_groups.append((live[self.src_host[live] == h], rows))
-        T.net_groups = [(pools_live[p], np.nonzero(net & (p0 == p))[0])
-                        for p in np.unique(p0[net]).tolist()]
-        missing = typ == MISSING
-        T.missing_rows = np.nonzero(missing)[0]
-        T.link[missing] = _STORE
-        has_host = np.zeros(n, dtype=bool)
-        for a in range(pools.shape[0]):
-            pa = pools[a, seg]
-            has_host |= (pa >= 0) & (counts[np.maximum(pa, 0), host] > 0)
-        T.lb_net_volume = int(T.volume[seg][(undecided | missing) & ~has_host].sum()) \
-            if n else 0
-
-    def _host_tables(self, pools_live: list):
-        counts = np.zeros((max(len(pools_live), 1), self.n_hosts), dtype=np.int64)
-        first = np.full((max(len(pools_live), 1), self.n_hosts), STORE_RANK, dtype=np.int64)
-        for p, live in enumerate(pools_live):
-            if len(live):
-                hosts = self.src_host[live]
-                np.add.at(counts[p], hosts, 1)
-                first[p, hosts[::-1]] = live[::-1]  # the lowest rank on each host wins
-        return counts, first
-
     # -- results ---------------------------------------------------------------
     def table(self) -> OpTable:
-        if not self.chunks:
+        """Every leaf's ops in one table, ordered by target rank (stable: tree order within)."""
+        if not self.columns:
             return OpTable.empty(self.paths, self.ndims)
-        cols = {k: np.concatenate([c[k] for c in self.chunks]) for k in OpTable.COLUMNS}
+        cols = {k: np.concatenate([c[k] for c in self.columns]) for k in OpTable.COLUMNS}
         order = np.argsort(cols["dst"], kind="stable")
         dtypes = {"path": np.int32, "dst": np.int32, "src": np.int32, "src_piece": np.int32,
                   "dst_piece": np.int32, "nbytes": np.int64, "kind": np.int8, "link": np.int8,
@@ -384,17 +243,19 @@ class _Builder:
         return OpTable(self.paths, self.ndims, cols)
 
     def totals(self, table: OpTable) -> Totals:
+        """Bytes by link, FILL bytes, the busiest sender and the lower bounds, in bytes."""
         c = table.cols
-        fill = c["kind"] == _FILL_KIND
+        fill = c["kind"] == FILL_KIND
         by_link = np.bincount(c["link"][~fill], weights=c["nbytes"][~fill], minlength=4)
-        moved = (c["link"] != _LOCAL) & (c["link"] != _STORE)
+        moved = (c["link"] != LOCAL) & (c["link"] != STORE)
         sent = np.bincount(c["src"][moved], weights=c["nbytes"][moved]) if moved.any() else [0]
-        return Totals(needed=int(c["nbytes"][~fill].sum()), local=int(by_link[_LOCAL]),
-                      host=int(by_link[_HOST]), network=int(by_link[_NET]),
-                      store=int(by_link[_STORE]), fill=int(c["nbytes"][fill].sum()),
-                      lower_bound=self.lb, lower_bound_network=self.lb_net,
+        return Totals(needed=int(c["nbytes"][~fill].sum()), local=int(by_link[LOCAL]),
+                      host=int(by_link[HOST]), network=int(by_link[NETWORK]),
+                      store=int(by_link[STORE]), fill=int(c["nbytes"][fill].sum()),
+                      lower_bound=self.lower_bound, lower_bound_network=self.lower_bound_network,
                       max_sender=int(max(sent)))
 
 
-def _box(T: _Template, s: int, ndim: int) -> Box:
-    return Box(tuple(int(v) for v in T.offsets[s, :ndim]), tuple(int(v) for v in T.sizes[s, :ndim]))
+def _box(segments: Segments, s: int, ndim: int) -> Box:
+    return Box(tuple(int(v) for v in segments.offsets[s, :ndim]),
+               tuple(int(v) for v in segments.sizes[s, :ndim]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tenplex.errors import PlanError
-from tenplex.ptree.region import contains, relative, to_slices
+from tenplex.ptree.region import contains, relative, to_slices, volume
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
@@ -46,9 +46,7 @@ def check_plan(plan: Plan, tree: PTree) -> None:
         if not contains(tpiece.box, op.region):
             raise PlanError(f"op {op.path} -> rank {op.dst_rank}: region {op.region} lies outside "
                             f"target piece {tpiece.box}")
-        n = 1
-        for s in op.region.sizes:
-            n *= s
+        n = volume(op.region)
         if op.nbytes != n * leaf.itemsize:
             raise PlanError(f"op {op.path} {op.region}: nbytes {op.nbytes}, expected {n * leaf.itemsize}")
         if op.kind is OpKind.FILL:
