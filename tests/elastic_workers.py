@@ -89,7 +89,7 @@ def sequence(rank: int, world: int, port: int, out_dir: str) -> None:
     local = materialize(TREE, global_state(FIRST), FIRST, rank) if rank < FIRST.world_size else None
     config, rows = FIRST, []
     for target in SEQUENCE:
-        local, rep = tenplex.reconfigure(local, TREE, config, target, report=True, memory_budget=1 << 17)
+        local, rep = tenplex.reconfigure(local, TREE, config, target, memory_budget=1 << 17)
         values = expected_values(values, config, target)
         if rank < target.world_size:
             check(local, target, rank, values, tensors)
@@ -205,8 +205,8 @@ def fault(rank: int, port_a: int, port_b: int, out_dir: str) -> None:
         # rerun with the survivors: rank 3's shards live on in their dp replica (rank 1)
         init(rank, 3, port_b)
         rerun = P(dp=3, tp=1)
-        state = tenplex.reconfigure(local, tree, CONFIG, rerun, src_of=[0, 1, 2], dst_of=[0, 1, 2],
-                                    alive={0, 1, 2})
+        state, _ = tenplex.reconfigure(local, tree, CONFIG, rerun, src_of=[0, 1, 2], dst_of=[0, 1, 2],
+                                       alive={0, 1, 2})
         values = global_state(CONFIG, tree)
         tensors = {p: t for p, t in values.items() if isinstance(t, torch.Tensor)}
         check(state, rerun, rank, expected_values({p: v for p, v in values.items()

@@ -21,6 +21,7 @@ and the peers involved.
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, Sequence
 
 import torch
@@ -29,6 +30,9 @@ import torch.distributed as dist
 from tenplex.errors import TransferError
 
 __all__ = ["Comm", "LocalComm", "TorchComm"]
+
+ABORT_TAG = 0x7E4A
+"""The tag of the receive :meth:`TorchComm.abort` times out on (never sent)."""
 
 Wait = Callable[[], None]
 """``wait()`` blocks until a posted exchange is done, and raises TransferError if it failed."""
@@ -71,6 +75,15 @@ class Comm:
     def barrier(self) -> None:
         """Block until every rank calls it (a plain collective, like :meth:`all_gather_bytes`)."""
         raise NotImplementedError
+
+    def abort(self) -> None:
+        """Make every point-to-point operation still in flight on this process fail at once.
+
+        Called after a failed transfer: a wait blocked on a peer that will
+        never send would otherwise last until the backend's timeout, and a
+        process exiting with such a wait open is killed by the C++ runtime.
+        The process group is unusable afterwards. Does nothing here.
+        """
 
     def _on_phase(self, phase: str) -> None:
         """Called by :class:`~tenplex.transform.guard.TransferGuard` as a transfer enters each phase.
@@ -119,9 +132,10 @@ class TorchComm(Comm):
         self.device = torch.device(device)
         pg = group if group is not None else dist.group.WORLD
         self.name = f"pg-{pg.group_name}"
-        # torch offers no public accessor for the store a group was made with; the default
-        # store is the rendezvous store of init_process_group (reachable by every process)
-        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        if store is None:  # torch < 2.6 has no public accessor: the default (rendezvous) store
+            get = getattr(pg, "get_group_store", None)
+            store = get() if get is not None else dist.distributed_c10d._get_default_store()
+        self.store = store
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
@@ -147,6 +161,24 @@ class TorchComm(Comm):
             except Exception as exc:
                 raise self._failed(peers, exc) from exc
         return wait
+
+    def abort(self) -> None:
+        """gloo: a timed-out wait makes gloo close every connection of the group (its own
+        "application timeout" path), so every operation in flight fails at once, here and at
+        the peers. Other backends: ``ProcessGroup.abort()`` (NCCL: ncclCommAbort; untested here)."""
+        if self.size < 2:
+            return
+        pg = self.group if self.group is not None else dist.group.WORLD
+        try:
+            if dist.get_backend(self.group) != "gloo":
+                pg.abort()
+                return
+            probe = torch.empty(1, dtype=torch.uint8)
+            work = dist.irecv(probe, src=self._global((self.rank + 1) % self.size), group=self.group,
+                              tag=ABORT_TAG)
+            work.wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # the expected timeout (or a group already broken): nothing is left in flight
+            pass
 
     def _failed(self, peers, exc) -> TransferError:
         return TransferError(f"process {self.rank}: transfer with peers {peers} failed: {first_line(exc)}")

@@ -159,6 +159,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     shares = chunk_shares(src_proc[cross], dst_proc[cross], comm.size, p2p_budget)
     buffers = Buffers()
     reads = _StoreReads(ctx, store_rows, store_read, memory_budget - p2p_budget, buffers)
+    pending: list = []  # posted exchanges not yet waited for
     try:
         reads.start()
 
@@ -167,9 +168,13 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
             for row in local_rows.tolist():
                 ctx.local_op(row, stats)
 
-        _exchange(ctx, comm, guard, sends, recvs, shares, buffers, stats, device, meanwhile)
+        _exchange(ctx, comm, guard, sends, recvs, shares, buffers, stats, device, meanwhile, pending)
         guard.phase("store read")
         stats.store = reads.finish()
+    except BaseException:
+        if pending:  # nothing may stay in flight: waits on peers that will never answer end now
+            comm.abort()
+        raise
     finally:
         reads.close()
     stats.peak_buffer = buffers.peak
@@ -326,11 +331,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, shares: np.ndarray,
-              buffers: Buffers, stats: DistStats, device, meanwhile) -> None:
+              buffers: Buffers, stats: DistStats, device, meanwhile, pending: list) -> None:
     """Move every pair's bytes: direct regions at once, the rest as chunked streams in rounds.
 
     Round r + 1 is in flight while round r unpacks; a round's buffers are
-    returned to the budget once it is unpacked.
+    returned to the budget once it is unpacked. ``pending`` holds the posted
+    exchanges not yet waited for (the caller aborts them on failure).
     """
     me, nbytes = comm.rank, ctx.table.cols["nbytes"]
     direct_out, direct_in, out_streams, in_streams = [], [], {}, {}
@@ -360,25 +366,33 @@ def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, sha
                 recv_bufs.append((p, torch.empty(s.chunk_size(r), dtype=torch.uint8, device=device)))
         stats.sent += sum(b.numel() for _, b in send_bufs)
         stats.received += sum(b.numel() for _, b in recv_bufs)
-        return send_bufs, recv_bufs, comm.start(send_bufs, recv_bufs)
+        pending.append(comm.start(send_bufs, recv_bufs))
+        return send_bufs, recv_bufs, pending[-1]
 
-    direct_wait = None
+    def wait(w) -> None:
+        guard.wait(w)
+        pending.remove(w)
+
     if direct_out or direct_in:  # zero-copy: views of the source shards and the target tensors
-        direct_wait = comm.start([(p, _flat(t)) for p, t in direct_out], [(p, _flat(t)) for p, t in direct_in])
+        pending.append(comm.start([(p, _flat(t)) for p, t in direct_out],
+                                  [(p, _flat(t)) for p, t in direct_in]))
         stats.sent += sum(t.numel() * t.element_size() for _, t in direct_out)
         stats.received += sum(t.numel() * t.element_size() for _, t in direct_in)
+    direct_wait = pending[-1] if pending else None
     current = post(0) if rounds else None
     guard.phase("first round")
     meanwhile()
     for r in range(rounds):
         if r == rounds // 2 and rounds >= 2:
             guard.phase("middle round")
-        send_bufs, recv_bufs, wait = current
-        guard.wait(wait)
+        guard.phase_name = f"round {r + 1} of {rounds}"
+        send_bufs, recv_bufs, w = current
+        wait(w)
         current = post(r + 1) if r + 1 < rounds else None
         for p, buf in recv_bufs:
             in_streams[p].unpack(r, buf)
         buffers.give(sum(b.numel() for _, b in send_bufs + recv_bufs))
         stats.rounds += 1
     if direct_wait is not None:
-        guard.wait(direct_wait)
+        guard.phase_name = "direct transfers"
+        wait(direct_wait)

@@ -202,9 +202,10 @@ class TransferGuard:
             except FuturesTimeout:
                 if self._abort.is_set():
                     raise self._learned() from None
-            except Exception as exc:
+            except Exception as exc:  # a TransferError from Comm already names process and peers
+                detail = str(exc).strip().splitlines()[0] if isinstance(exc, TransferError) else first_line(exc)
                 raise self._fail(f"{self.what}: {self.label} failed in phase {self.phase_name!r}: "
-                                 f"{first_line(exc)}") from exc
+                                 f"{detail}") from exc
 
     # -- failures --------------------------------------------------------------
     def _fail(self, message: str) -> TransferError:
