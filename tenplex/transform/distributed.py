@@ -159,7 +159,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     shares = chunk_shares(src_proc[cross], dst_proc[cross], comm.size, p2p_budget)
     buffers = Buffers()
     reads = _StoreReads(ctx, store_rows, store_read, memory_budget - p2p_budget, buffers)
-    pending: list = []  # posted exchanges not yet waited for
+    pending = guard.pending  # posted exchanges not yet waited for: the guard aborts them on failure
     try:
         reads.start()
 
@@ -171,10 +171,6 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
         _exchange(ctx, comm, guard, sends, recvs, shares, buffers, stats, device, meanwhile, pending)
         guard.phase("store read")
         stats.store = reads.finish()
-    except BaseException:
-        if pending:  # nothing may stay in flight: waits on peers that will never answer end now
-            comm.abort()
-        raise
     finally:
         reads.close()
     stats.peak_buffer = buffers.peak
@@ -373,12 +369,13 @@ def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, sha
         guard.wait(w)
         pending.remove(w)
 
+    direct_wait = None
     if direct_out or direct_in:  # zero-copy: views of the source shards and the target tensors
-        pending.append(comm.start([(p, _flat(t)) for p, t in direct_out],
-                                  [(p, _flat(t)) for p, t in direct_in]))
+        direct_wait = comm.start([(p, _flat(t)) for p, t in direct_out],
+                                 [(p, _flat(t)) for p, t in direct_in])
+        pending.append(direct_wait)
         stats.sent += sum(t.numel() * t.element_size() for _, t in direct_out)
         stats.received += sum(t.numel() * t.element_size() for _, t in direct_in)
-    direct_wait = pending[-1] if pending else None
     current = post(0) if rounds else None
     guard.phase("first round")
     meanwhile()

@@ -87,6 +87,8 @@ class TransferGuard:
         self._raised: TransferError | None = None
         self._agreed: BaseException | None = None
         self._names: list[str] = []
+        self.pending: list = []
+        """Posted exchanges not yet waited for (the executor keeps it); aborted after a failure."""
 
     # -- context ---------------------------------------------------------------
     def __enter__(self) -> "TransferGuard":
@@ -118,6 +120,8 @@ class TransferGuard:
             winner = self._publish(f"{self.what}: {self.label} failed in phase "
                                    f"{self.phase_name!r}: {first_line(exc)}")
         finally:
+            if exc is not None and self.pending:  # after publishing: peers learn the cause first
+                self.comm.abort()
             self._close()
         if exc is self._agreed or not isinstance(exc, Exception):
             return False
