@@ -177,8 +177,8 @@ class TransferGuard:
         delay, start = 0.001, time.monotonic()
         while True:
             with self._store_op():
-                if s.check([f"{name}/done"]):
-                    if s.check(["error"]):
+                if s.check([f"{name}/done"]):  # set by the last arrival, or by a failure
+                    if s.add(f"{name}/count", 0) < n:
                         raise self._learned()
                     return s.multi_get([f"{name}/{p}" for p in range(n)])
             if self._abort.is_set():
