@@ -330,9 +330,10 @@ def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, sha
               buffers: Buffers, stats: DistStats, device, meanwhile, pending: list) -> None:
     """Move every pair's bytes: direct regions at once, the rest as chunked streams in rounds.
 
-    Round r + 1 is in flight while round r unpacks; a round's buffers are
-    returned to the budget once it is unpacked. ``pending`` holds the posted
-    exchanges not yet waited for (the caller aborts them on failure).
+    Round r + 1 is in flight while round r unpacks. Each stream has two
+    chunk buffers, allocated once and used by even and odd rounds in turn
+    (round r + 2 reuses round r's once it is unpacked). ``pending`` holds the
+    posted exchanges not yet waited for (the guard aborts them on failure).
     """
     me, nbytes = comm.rank, ctx.table.cols["nbytes"]
     direct_out, direct_in, out_streams, in_streams = [], [], {}, {}
@@ -348,18 +349,23 @@ def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, sha
     rounds = max([s.chunks for s in streams] + [0])
     stats.chunk = max([s.chunk for s in streams if s.chunks] + [0])
 
+    slots: dict = {}  # two buffers per stream, used by even and odd rounds in turn
+
+    def buffer(key, s: Stream, r: int) -> torch.Tensor:
+        buf = slots.get((key, r % 2))
+        if buf is None:
+            buf = slots[(key, r % 2)] = torch.empty(s.chunk, dtype=torch.uint8, device=device)
+            buffers.take(s.chunk)
+        return buf[: s.chunk_size(r)]
+
     def post(r):
         send_bufs, recv_bufs = [], []
         for p, s in out_streams.items():
             if r < s.chunks:
-                buf = torch.empty(s.chunk_size(r), dtype=torch.uint8, device=device)
-                buffers.take(buf.numel())
+                buf = buffer(("out", p), s, r)
                 s.pack(r, buf)
                 send_bufs.append((p, buf))
-        for p, s in in_streams.items():
-            if r < s.chunks:
-                buffers.take(s.chunk_size(r))
-                recv_bufs.append((p, torch.empty(s.chunk_size(r), dtype=torch.uint8, device=device)))
+        recv_bufs = [(p, buffer(("in", p), s, r)) for p, s in in_streams.items() if r < s.chunks]
         stats.sent += sum(b.numel() for _, b in send_bufs)
         stats.received += sum(b.numel() for _, b in recv_bufs)
         pending.append(comm.start(send_bufs, recv_bufs))
@@ -388,8 +394,8 @@ def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, sha
         current = post(r + 1) if r + 1 < rounds else None
         for p, buf in recv_bufs:
             in_streams[p].unpack(r, buf)
-        buffers.give(sum(b.numel() for _, b in send_bufs + recv_bufs))
         stats.rounds += 1
     if direct_wait is not None:
         guard.phase_name = "direct transfers"
         wait(direct_wait)
+    buffers.give(sum(b.numel() for b in slots.values()))
