@@ -57,6 +57,9 @@ DEFAULT_TIMEOUT = 300.0
 PHASES = ("plan", "agree", "first round", "middle round", "local copy", "store read", "confirm")
 """The phases of a transfer, in order (``save_distributed`` has ``agree``, ``write``, ``confirm``)."""
 
+LINGER = 10.0
+"""Seconds process 0 keeps the store up, at most, until every process has left a transfer."""
+
 GATHERS = ("inputs", "agree", "confirm", "cleared", "written", "committed")
 """Every gather name a guarded transfer may use (a published failure releases all of them)."""
 
@@ -103,6 +106,7 @@ class TransferGuard:
         self._abort = threading.Event()
         self._stop = threading.Event()
         self._store_lost: BaseException | None = None
+        self._message: str | None = None  # the published failure, once seen
         self._beats = threading.Thread(target=self._heartbeat, name="tenplex-heartbeat", daemon=True)
         self._beats.start()
         self._waiter = _Waiter()
@@ -128,9 +132,26 @@ class TransferGuard:
         raise TransferError(winner) from exc
 
     def _close(self) -> None:
+        """Stop the helper threads, then leave: every process acknowledges it needs the store no
+        more, and process 0 (the store's host when the group came from MASTER_ADDR) keeps it up
+        until all have, for at most ``LINGER`` seconds, from a thread that outlives the call."""
         self._stop.set()
         self._beats.join()
         self._waiter.close()
+        try:
+            self.store.add("left", 1)
+        except Exception:  # the store is gone already: nothing to keep up
+            return
+        if self.comm.rank == 0:
+            threading.Thread(target=self._linger, name="tenplex-linger", daemon=False).start()
+
+    def _linger(self) -> None:
+        end = time.monotonic() + min(self.timeout, LINGER)
+        try:
+            while self.store.add("left", 0) < self.comm.size and time.monotonic() < end:
+                time.sleep(0.01)
+        except Exception:
+            pass
 
     def describe(self, label: str) -> None:
         """Name this process in messages (e.g. ``"process 2 (old rank 3, new rank 2)"``)."""
@@ -219,7 +240,9 @@ class TransferGuard:
 
     def _learned(self) -> TransferError:
         """The error another process published (or the store's loss)."""
-        message = self._lost_message() if self._store_lost is not None else None
+        message = self._message
+        if message is None and self._store_lost is not None:
+            message = self._lost_message()
         if message is None:
             try:
                 message = self.store.get("error").decode(errors="replace")
@@ -233,6 +256,7 @@ class TransferGuard:
         """Compare-and-set the error key; release every gather; the winning message."""
         try:
             winner = self.store.compare_set("error", "", message).decode(errors="replace")
+            self._message = winner
             for name in GATHERS:
                 self.store.set(f"{name}/done", b"1")
             self._abort.set()
@@ -258,6 +282,7 @@ class TransferGuard:
             try:
                 self.store.add(f"hb/{me}", 1)
                 if self.store.check(["error"]):
+                    self._message = self.store.get("error").decode(errors="replace")
                     self._abort.set()
                     return
                 value = self.store.add(f"hb/{watched}", 0)
