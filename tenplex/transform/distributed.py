@@ -155,10 +155,12 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     if sends and local is None:
         raise PlanError(f"process {me} must send but holds no source shards")
     stats.peers = sorted(set(sends) | set(recvs))
-    p2p_budget = memory_budget // 2 if len(store_rows) else memory_budget
+    # a process with store reads gives half of its budget to them; every process knows which do
+    reading = np.bincount(dst_proc[store & ~fill], minlength=comm.size)[: comm.size] > 0
+    p2p_budget = np.where(reading, memory_budget // 2, memory_budget)
     shares = chunk_shares(src_proc[cross], dst_proc[cross], comm.size, p2p_budget)
     buffers = Buffers()
-    reads = _StoreReads(ctx, store_rows, store_read, memory_budget - p2p_budget, buffers)
+    reads = _StoreReads(ctx, store_rows, store_read, memory_budget - int(p2p_budget[me]), buffers)
     pending = guard.pending  # posted exchanges not yet waited for: the guard aborts them on failure
     try:
         reads.start()

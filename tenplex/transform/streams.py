@@ -34,14 +34,17 @@ ALIGN = 64
 """Chunk sizes are multiples of this many bytes."""
 
 
-def chunk_shares(src_proc: np.ndarray, dst_proc: np.ndarray, nproc: int, budget: int) -> np.ndarray:
+def chunk_shares(src_proc: np.ndarray, dst_proc: np.ndarray, nproc: int, budget) -> np.ndarray:
     """Per process, the chunk bytes each of its streams may use per round.
 
     Args:
         src_proc, dst_proc: ``[rows]`` sending and receiving process of every
             row that crosses processes.
         nproc: processes in the group.
-        budget: bytes of chunk buffers a process may hold (two rounds in flight).
+        budget: bytes of chunk buffers a process may hold (two rounds in
+            flight): one number, or ``[nproc]`` per process. Both ends of a
+            stream must compute the same shares, so it may depend only on
+            what every process knows (the plan).
 
     Returns:
         ``[nproc]`` int64: ``budget // (2 * streams)`` rounded down to
@@ -51,7 +54,7 @@ def chunk_shares(src_proc: np.ndarray, dst_proc: np.ndarray, nproc: int, budget:
     pairs = np.unique(src_proc.astype(np.int64) * nproc + dst_proc.astype(np.int64))
     degree = (np.bincount(pairs // nproc, minlength=nproc)
               + np.bincount(pairs % nproc, minlength=nproc))
-    share = budget // (2 * np.maximum(degree, 1))
+    share = np.asarray(budget, dtype=np.int64) // (2 * np.maximum(degree, 1))
     return np.maximum(share // ALIGN * ALIGN, MIN_CHUNK).astype(np.int64)
 
 
