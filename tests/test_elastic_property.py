@@ -13,7 +13,7 @@ import socket
 import uuid
 
 import pytest
-from hypothesis import Phase, given, settings, strategies as st
+from hypothesis import Phase, example, given, settings, strategies as st
 
 import property_workers as pw
 from strategies import gpt_specs, valid_configs
@@ -54,12 +54,24 @@ def examples(draw):
             "block": block, "seed": draw(st.integers(0, 1000))}
 
 
-@settings(max_examples=10, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+# found by this test: a process reading from the store cut its streams' chunks from half its
+# budget while its peers used their whole one (8192 vs 4096 bytes: gloo aborts both processes)
+REGRESSION = {"spec": {"num_layers": 4, "hidden": 8, "heads": 8, "query_groups": 1, "ffn": 24,
+                       "vocab": 11, "seq_len": 6, "swiglu": True, "tied": False, "rope": False,
+                       "bias": True, "layernorm": False, "dtype": "float32",
+                       "make_vocab_size_divisible_by": 8, "optimizer": "distributed_adam",
+                       "bucket_numel": 40},
+              "a": "dp=2,tp=1,pp=2,stages=1:3", "b": "dp=3,tp=1,pp=1", "lost": [2], "block": 1024,
+              "seed": 49}
+
+
+@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(example=examples())
+@example(example=REGRESSION)
 def test_save_distributed_load_and_recover_equal_materialize(pool, tmp_path_factory, example):
     inboxes, outbox, procs = pool
     assert all(p.is_alive() for p in procs), "a pool worker died"
-    example["url"] = f"file://{tmp_path_factory.mktemp('ck')}/{uuid.uuid4().hex}"
+    example = {**example, "url": f"file://{tmp_path_factory.mktemp('ck')}/{uuid.uuid4().hex}"}
     for box in inboxes:
         box.put(example)
     results = {}
