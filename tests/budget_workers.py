@@ -8,7 +8,6 @@ through ``/proc/self/clear_refs``) over the reconfiguration, against what it
 held before plus its new shard, and reports the executor's own buffer peak.
 """
 
-import datetime
 import json
 import os
 
@@ -19,6 +18,7 @@ import tenplex
 from tenplex.ptree import ParallelConfig as P
 from tenplex.ptree.layout import Layout, Split, Stage
 from tenplex.ptree.tree import PTree, TensorLeaf
+from rendezvous import init_group
 
 SHAPE = (8192, 4096)
 TREE = PTree({"w": TensorLeaf(SHAPE, "float32", Layout(Stage.of_layer(0), Split(1)))}, num_layers=1)
@@ -44,9 +44,8 @@ def peak() -> int:
     return _status_kib("VmHWM") << 10
 
 
-def budget_worker(rank: int, port: int, budget: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300))
+def budget_worker(rank: int, budget: int, out_dir: str) -> None:
+    init_group(rank, 2, os.path.join(out_dir, "rendezvous"), 300)
     torch.set_num_threads(1)
     # warm-up: connections, thread pools and first-call costs are not what is measured
     small = {"w": torch.randn(64, 64)} if rank == 0 else None

@@ -5,7 +5,6 @@ as it enters each phase; :class:`FaultComm` overrides it in the victim
 process only. No public knob of tenplex is involved.
 """
 
-import datetime
 import json
 import os
 import signal
@@ -21,6 +20,7 @@ from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.ptree.shards import bitwise_equal
 from tenplex.transform.comm import TorchComm
+from rendezvous import init_group
 
 TREE = gpt_tree(GPTSpec(num_layers=2, hidden=32, heads=4, query_groups=4, ffn=64, vocab=100,
                         swiglu=True, tied=True, dtype="bfloat16", optimizer="adam"))
@@ -52,17 +52,15 @@ def write(out_dir: str, name: str, data) -> None:
     os.replace(tmp, os.path.join(out_dir, f"{name}.json"))
 
 
-def faulty(rank: int, ports: list[int], victim: int, phases: list[str], action: str, timeout: float,
+def faulty(rank: int, victim: int, phases: list[str], action: str, timeout: float,
            out_dir: str) -> None:
     """For each phase, in a new process group: reconfigure SRC -> DST on 4 processes while
     ``victim`` raises or dies at that phase. A process that raised forms the next group."""
     try:
         local = materialize(TREE, random_state(TREE, SRC, 5), SRC, rank)
         before = {p: t.clone() for p, t in local.items() if isinstance(t, torch.Tensor)}
-        for case, (port, phase) in enumerate(zip(ports, phases)):
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=rank, world_size=4,
-                                    timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
+        for case, phase in enumerate(phases):
+            init_group(rank, 4, f"{out_dir}/{case}/rendezvous", GROUP_TIMEOUT)
             comm = FaultComm(phase, action, f"{out_dir}/{case}") if rank == victim else TorchComm()
             dist.barrier()
             try:

@@ -13,8 +13,6 @@ Both results must equal ``materialize(x, B, r)`` bit for bit. Each step runs
 in its own subgroup of the world group, so a failed example leaves the pool usable.
 """
 
-import datetime
-import os
 import traceback
 
 import torch
@@ -25,6 +23,7 @@ from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.ptree.shards import bitwise_equal
 from tenplex.ptree.tree import Scope
+from rendezvous import init_group
 
 
 def compare(tree, got, x, config, rank) -> list[str]:
@@ -82,9 +81,8 @@ def run_example(rank: int, example: dict) -> list[str]:
     return problems
 
 
-def serve(rank: int, port: int, inbox, outbox) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120))
+def serve(rank: int, rendezvous: str, inbox, outbox) -> None:
+    init_group(rank, 4, rendezvous)
     torch.set_num_threads(1)
     while (example := inbox.get()) is not None:
         try:

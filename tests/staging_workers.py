@@ -5,7 +5,6 @@ shards under ``config`` to its URL, and reports the outcome. A worker may be
 given its own URL (a per-host directory), or a fault at a phase.
 """
 
-import datetime
 import json
 import os
 import traceback
@@ -16,6 +15,7 @@ import tenplex
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.transform.comm import TorchComm
+from rendezvous import init_group
 
 SPEC = GPTSpec(num_layers=2, hidden=64, heads=4, query_groups=2, ffn=128, vocab=300, swiglu=True,
                tied=True, dtype="bfloat16", optimizer="distributed_adam", bucket_numel=5000)
@@ -37,12 +37,10 @@ class FailAt(TorchComm):
             raise OSError(f"injected: disk full in phase {phase}")
 
 
-def stage(rank: int, world: int, port: int, config_text: str, url: str, storage_options,
+def stage(rank: int, world: int, rendezvous: str, config_text: str, url: str, storage_options,
           block: int, fail_phase: str | None, out_dir: str) -> None:
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        init_group(rank, world, rendezvous)
         config = P.parse(config_text)
         local = materialize(TREE, truth(config), config, rank)
         comm = FailAt(fail_phase) if fail_phase and rank == world - 1 else None

@@ -9,7 +9,6 @@ Shrinking is off: an example that fails is printed as drawn.
 
 import multiprocessing as mp
 import queue
-import socket
 import uuid
 
 import pytest
@@ -24,13 +23,11 @@ CTX = mp.get_context("spawn")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def pool(tmp_path_factory):
+    rendezvous = str(tmp_path_factory.mktemp("pool") / "rendezvous")
     inboxes = [CTX.Queue() for _ in range(4)]
     outbox = CTX.Queue()
-    procs = [CTX.Process(target=pw.serve, args=(r, port, inboxes[r], outbox)) for r in range(4)]
+    procs = [CTX.Process(target=pw.serve, args=(r, rendezvous, inboxes[r], outbox)) for r in range(4)]
     for p in procs:
         p.start()
     yield inboxes, outbox, procs

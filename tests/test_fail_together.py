@@ -12,7 +12,6 @@ the next phase's case.
 import json
 import multiprocessing as mp
 import signal
-import socket
 import time
 
 import pytest
@@ -28,12 +27,6 @@ PHASES = ["plan", "agree", "first round", "middle round", "local copy", "confirm
 VICTIM = 1
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _read(path):
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -41,8 +34,7 @@ def _read(path):
 def _start(tmp_path, victim, phases, action):
     for case in range(len(phases)):
         (tmp_path / str(case)).mkdir()
-    ports = [_port() for _ in phases]
-    procs = [CTX.Process(target=fw.faulty, args=(r, ports, victim, phases, action, TIMEOUT, str(tmp_path)))
+    procs = [CTX.Process(target=fw.faulty, args=(r, victim, phases, action, TIMEOUT, str(tmp_path)))
              for r in range(4)]
     for p in procs:
         p.start()

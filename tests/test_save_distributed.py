@@ -34,9 +34,9 @@ def _port() -> int:
 
 def _run(tmp_path, config: str, urls, storage_options=None, block=256, fail=None):
     world = len(urls)
-    port = _port()
-    procs = [CTX.Process(target=sw.stage, args=(r, world, port, config, urls[r], storage_options, block,
-                                                fail, str(tmp_path))) for r in range(world)]
+    rendezvous = str(tmp_path / f"rendezvous-{uuid.uuid4().hex}")
+    procs = [CTX.Process(target=sw.stage, args=(r, world, rendezvous, config, urls[r], storage_options,
+                                                block, fail, str(tmp_path))) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
