@@ -213,7 +213,8 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
             if my_src is None or 0 <= my_src < src.world_size else []
         inputs = {"src": src.to_json(), "dst": dst.to_json(), "tree": tree_digest(tree),
                   "src_of": None if src_of is None else list(src_of), "dst_of": dst_of,
-                  "alive": None if alive is None else sorted(alive), "lost": sorted(lost),
+                  "alive": None if alive is None else sorted(int(r) for r in alive),
+                  "lost": sorted(int(r) for r in lost),
                   "store": reader is not None}
         values = {} if problems or local_state is None else \
             {path: local_state.get(path) for path, _ in tree.values()}
