@@ -1,5 +1,6 @@
 """Pieces the benchmarks share: a GPT-style spec of a given size, DTensor-compatibility checks,
-and measurements of this process (RSS, CPU, I/O) from /proc."""
+measurements of this process (RSS, CPU, I/O) from /proc, timing across torch.distributed
+processes (slowest wall time, summed CPU time, raw point-to-point floors) and cProfile tables."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import os
 import resource
 import socket
+import time
 
 from tenplex.models import GPTSpec
 
@@ -119,3 +121,106 @@ def io_counters() -> tuple[int, int]:
 
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+# -- timing across torch.distributed processes (gloo) ----------------------------------------
+
+def slowest(seconds: float) -> float:
+    """The largest of every process's ``seconds``."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def total(seconds: float) -> float:
+    """The sum of every process's ``seconds``."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def timed(fn):
+    """``fn()`` on every process, started after a barrier: ``(result, slowest seconds, cpu seconds)``.
+
+    The CPU seconds are user + system, all threads, summed over the processes:
+    on a machine with fewer cores than processes, wall time follows them.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return out, slowest(wall), total(cpu)
+
+
+def p2p_exchange(sends, recvs) -> None:
+    """Send each ``(peer, tensor)`` and receive each ``(peer, tensor)``, all in one batch."""
+    import torch.distributed as dist
+
+    ops = [dist.P2POp(dist.isend, t, p) for p, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, p) for p, t in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def ring(nbytes: int, repeat: int) -> tuple[float, float]:
+    """Best slowest-process seconds of a ring exchange (each process sends ``nbytes`` to the
+    next, all at once), and the CPU seconds of that run."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send = torch.full((nbytes,), rank + 1, dtype=torch.uint8)
+    recv = torch.empty(nbytes, dtype=torch.uint8)
+    best, best_cpu = math.inf, 0.0
+    for _ in range(repeat):
+        recv.zero_()
+        _, s, cpu = timed(lambda: p2p_exchange([((rank + 1) % world, send)], [((rank - 1) % world, recv)]))
+        if s < best:
+            best, best_cpu = s, cpu
+        assert bool((recv[::4096] == (rank - 1) % world + 1).all()) and recv[-1] == (rank - 1) % world + 1
+    return best, best_cpu
+
+
+def pattern(matrix, repeat: int) -> float:
+    """Best slowest-process seconds of sending ``matrix[p][q]`` raw bytes from p to q, all at once."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    sends = [(q, torch.ones(int(n), dtype=torch.uint8)) for q, n in enumerate(matrix[me]) if n and q != me]
+    recvs = [(p, torch.empty(int(row[me]), dtype=torch.uint8)) for p, row in enumerate(matrix)
+             if row[me] and p != me]
+    return min(timed(lambda: p2p_exchange(sends, recvs))[1] for _ in range(repeat))
+
+
+# -- cProfile of several processes ------------------------------------------------------------
+
+def profile_path(profile: str, rank: int) -> str:
+    """Rank 0's stats go to ``profile`` itself, the others' to ``profile.rankN``."""
+    return profile if rank == 0 else f"{profile}.rank{rank}"
+
+
+def phase_table(profile: str, world: int, phases) -> str:
+    """Cumulative seconds per ``(label, file suffix, function name)`` of ``phases``, per rank,
+    from the dumped cProfile stats."""
+    import pstats
+
+    ranks = [r for r in range(world) if os.path.exists(profile_path(profile, r))]
+    stats = {r: pstats.Stats(profile_path(profile, r)).stats for r in ranks}
+    lines = [f"{'phase (cumulative s)':<34}" + "".join(f"{'rank ' + str(r):>9}" for r in ranks)]
+    for label, suffix, name in phases:
+        row = f"{label:<34}"
+        for r in ranks:
+            spent = sum(v[3] for (f, _, fn), v in stats[r].items() if fn == name and f.endswith(suffix))
+            row += f"{spent:>9.3f}"
+        lines.append(row)
+    return "\n".join(lines)

@@ -68,7 +68,8 @@ import socket
 import tempfile
 import time
 
-from bench_common import check_plain_sharding, free_port, logical_bytes, make_spec as _make_spec
+from bench_common import (check_plain_sharding, free_port, logical_bytes, make_spec as _make_spec,
+                          pattern, phase_table, profile_path, ring, slowest, timed)
 
 
 def make_spec(mb: float):
@@ -89,89 +90,19 @@ WARMUP_SPEC = dict(num_layers=2, hidden=256, heads=4, query_groups=4, ffn=1024, 
 
 # -- worker helpers ------------------------------------------------------------
 
-def _slowest(seconds: float) -> float:
-    """The largest of every process's ``seconds``."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _total(seconds: float) -> float:
-    """The sum of every process's ``seconds``."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())
-
-
-LAST_CPU = [0.0]  # CPU seconds (all threads, summed over processes) of the last _timed call
-RING_CPU = [0.0]  # the same, of the best ring exchange
-
-
-def _timed(fn):
-    """``fn()`` on every process, started after a barrier; ``(result, slowest seconds)``.
-
-    The CPU time it took (user + system, all threads, summed over the processes) is left
-    in ``LAST_CPU[0]``: on a machine with fewer cores than processes, wall time follows it.
-    """
-    import torch.distributed as dist
-
-    dist.barrier()
-    c0, t0 = time.process_time(), time.perf_counter()
-    out = fn()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    LAST_CPU[0] = _total(cpu)
-    return out, _slowest(wall)
-
-
-def _exchange(sends, recvs) -> None:
-    import torch.distributed as dist
-
-    ops = [dist.P2POp(dist.isend, t, p) for p, t in sends]
-    ops += [dist.P2POp(dist.irecv, t, p) for p, t in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-def _ring(nbytes: int, repeat: int) -> float:
-    """Best slowest-process time of a ring exchange: each process sends ``nbytes`` to the next."""
-    import torch
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    send = torch.full((nbytes,), rank + 1, dtype=torch.uint8)
-    recv = torch.empty(nbytes, dtype=torch.uint8)
-    best = math.inf
-    for _ in range(repeat):
-        recv.zero_()
-        _, s = _timed(lambda: _exchange([((rank + 1) % world, send)], [((rank - 1) % world, recv)]))
-        if s < best:
-            best, RING_CPU[0] = s, LAST_CPU[0]
-        assert bool((recv[::4096] == (rank - 1) % world + 1).all()) and recv[-1] == (rank - 1) % world + 1
-    return best
-
-
-def _pattern(matrix, repeat: int) -> float:
-    """Best slowest-process time of sending ``matrix[p][q]`` raw bytes from p to q, all at once."""
-    import torch
-    import torch.distributed as dist
-
-    me = dist.get_rank()
-    sends = [(q, torch.ones(int(n), dtype=torch.uint8)) for q, n in enumerate(matrix[me]) if n and q != me]
-    recvs = [(p, torch.empty(int(row[me]), dtype=torch.uint8)) for p, row in enumerate(matrix)
-             if row[me] and p != me]
-    best = math.inf
-    for _ in range(repeat):
-        _, s = _timed(lambda: _exchange(sends, recvs))
-        best = min(best, s)
-    return best
-
+PHASES = [  # (label, file suffix, function name) of the live path, for the per-rank summary
+    ("reconfigure (total)", "tenplex/elastic.py", "_transition"),
+    ("inputs, agree, confirm (store)", "transform/guard.py", "gather"),
+    ("make_plan", "transform/planner.py", "make_plan"),
+    ("Plan.digest", "transform/plan.py", "digest"),
+    ("allocate targets", "transform/local.py", "allocate"),
+    ("local_op (on-device copies)", "transform/distributed.py", "local_op"),
+    ("_exchange (all rounds)", "transform/distributed.py", "_exchange"),
+    ("  Stream.pack", "transform/streams.py", "pack"),
+    ("  TransferGuard.wait (p2p wait)", "transform/guard.py", "wait"),
+    ("  Stream.unpack", "transform/streams.py", "unpack"),
+    ("tensor copy_ (all callers)", "~", "<method 'copy_' of 'torch._C.TensorBase' objects>"),
+]
 
 def _pair_matrix(tree, src, dst):
     """Bytes per ordered pair of processes in the plan ``reconfigure`` makes (default mapping)."""
@@ -236,15 +167,13 @@ def _dcp(tree, src, dst, rank, local, root: str, tag: str):
             if h is not None:
                 held[p] = torch.empty(h.shape, dtype=torch_dtype(leaf.dtype))
     dst_state = _dtensors(tree, _stage_mesh(dst), held)
-    _, save_s = _timed(lambda: dcp.save(
+    _, save_s, save_cpu = timed(lambda: dcp.save(
         src_state, storage_writer=dcp.FileSystemWriter(path, sync_files=False)))
-    cpu = LAST_CPU[0]
-    _, load_s = _timed(lambda: dcp.load(dst_state, storage_reader=dcp.FileSystemReader(path)))
-    LAST_CPU[0] += cpu
+    _, load_s, load_cpu = timed(lambda: dcp.load(dst_state, storage_reader=dcp.FileSystemReader(path)))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
-    return held, save_s, load_s
+    return held, save_s, load_s, save_cpu + load_cpu
 
 
 def _check(got, expected) -> int:
@@ -260,46 +189,6 @@ def _check(got, expected) -> int:
             raise AssertionError(f"leaf {path} differs")
         n += 1
     return n
-
-
-def _profile_path(profile: str, rank: int) -> str:
-    """Rank 0's stats go to ``profile`` itself, the others' to ``profile.rankN``."""
-    return profile if rank == 0 else f"{profile}.rank{rank}"
-
-
-PHASES = [  # (label, file suffix, function name) of the live path, for the per-rank summary
-    ("reconfigure (total)", "tenplex/elastic.py", "reconfigure"),
-    ("make_plan", "transform/planner.py", "make_plan"),
-    ("_placements (host all-gather)", "tenplex/elastic.py", "_placements"),
-    ("allocate targets", "transform/local.py", "allocate"),
-    ("local_op (on-device copies)", "transform/distributed.py", "local_op"),
-    ("_exchange (all rounds)", "transform/distributed.py", "_exchange"),
-    ("  _Stream.pack", "transform/distributed.py", "pack"),
-    ("  _Stream._bytes (.contiguous)", "transform/distributed.py", "_bytes"),
-    ("  TorchComm.exchange (p2p wait)", "transform/comm.py", "exchange"),
-    ("  _Stream.unpack", "transform/distributed.py", "unpack"),
-    ("_values (value all-gather)", "tenplex/elastic.py", "_values"),
-    ("_sum_stats (report all-gather)", "tenplex/elastic.py", "_sum_stats"),
-    ("tensor copy_ (all callers)", "~", "<method 'copy_' of 'torch._C.TensorBase' objects>"),
-    ("tensor contiguous", "~", "<method 'contiguous' of 'torch._C.TensorBase' objects>"),
-]
-
-
-def phase_table(profile: str) -> str:
-    """Cumulative seconds of the live path's phases, per rank, from the dumped cProfile stats."""
-    import pstats
-
-    ranks = [r for r in range(WORLD) if os.path.exists(_profile_path(profile, r))]
-    stats = {r: pstats.Stats(_profile_path(profile, r)).stats for r in ranks}
-    lines = [f"{'phase (cumulative s)':<34}" + "".join(f"{'rank ' + str(r):>9}" for r in ranks)]
-    for label, suffix, name in PHASES:
-        row = f"{label:<34}"
-        for r in ranks:
-            total = sum(v[3] for (f, _, fn), v in stats[r].items()
-                        if fn == name and f.endswith(suffix))
-            row += f"{total:>9.3f}"
-        lines.append(row)
-    return "\n".join(lines)
 
 
 def _say(rank: int, text: str) -> None:
@@ -333,7 +222,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         loc = materialize(small, g, src, rank) if rank < src.world_size else None
         tenplex.reconfigure(loc, small, src, dst, memory_budget=budget)
         _dcp(small, src, dst, rank, loc or {}, root, "warmup")
-        _ring(1 << 20, 2)
+        ring(1 << 20, 2)
         del g, loc
 
         tree = gpt_tree(spec)
@@ -348,35 +237,35 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         # 1. live reconfiguration
         live, rep, leaves = math.inf, None, 0
         for i in range(repeat):
-            (out, r), s = _timed(lambda: tenplex.reconfigure(local, tree, src, dst, report=True,
-                                                             memory_budget=budget))
+            (out, r), s, cpu = timed(lambda: tenplex.reconfigure(local, tree, src, dst,
+                                                                 memory_budget=budget))
             if i == 0 and expected is not None:
                 leaves = _check(out, expected)
             del out
             gc.collect()
             if s < live:
-                live, rep, live_cpu = s, r, LAST_CPU[0]
+                live, rep, live_cpu = s, r, cpu
             _say(rank, f"live run {i + 1}/{repeat}: {s:.3f} s (report.seconds {r.seconds:.3f})")
 
         # 3. floor: the same bytes over gloo p2p
         bound = rep.lower_bound
-        ring = _ring(max(1, bound // WORLD), repeat + 1)
+        ring_s, ring_cpu = ring(max(1, bound // WORLD), repeat + 1)
         matrix = _pair_matrix(tree, src, dst)
-        pattern = _pattern(matrix, repeat + 1)
+        pattern_s = pattern(matrix, repeat + 1)
         ring_bytes = max(1, bound // WORLD) * WORLD
-        _say(rank, f"ring: {ring_bytes / 1e6:.1f} MB in {ring:.3f} s; plan pattern: "
-                   f"{sum(map(sum, matrix)) / 1e6:.1f} MB in {pattern:.3f} s")
+        _say(rank, f"ring: {ring_bytes / 1e6:.1f} MB in {ring_s:.3f} s; plan pattern: "
+                   f"{sum(map(sum, matrix)) / 1e6:.1f} MB in {pattern_s:.3f} s")
 
         # 2. DCP save at src + load at dst on tmpfs
         dcp_best, save_best, load_best, dcp_leaves = math.inf, 0.0, 0.0, 0
         for i in range(repeat):
-            held, save_s, load_s = _dcp(tree, src, dst, rank, local or {}, root, f"run{i}")
+            held, save_s, load_s, cpu = _dcp(tree, src, dst, rank, local or {}, root, f"run{i}")
             if i == 0 and expected is not None:
                 dcp_leaves = _check(held, expected)
             del held
             gc.collect()
             if save_s + load_s < dcp_best:
-                dcp_best, save_best, load_best, dcp_cpu = save_s + load_s, save_s, load_s, LAST_CPU[0]
+                dcp_best, save_best, load_best, dcp_cpu = save_s + load_s, save_s, load_s, cpu
             _say(rank, f"DCP run {i + 1}/{repeat}: save {save_s:.3f} s + load {load_s:.3f} s")
 
         if profile:
@@ -388,8 +277,8 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
             out = tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
             t1 = time.perf_counter() - t0
             prof.disable()
-            prof.dump_stats(_profile_path(profile, rank))
-            _say(rank, f"profiled run (every rank under cProfile): {_slowest(t1):.3f} s")
+            prof.dump_stats(profile_path(profile, rank))
+            _say(rank, f"profiled run (every rank under cProfile): {slowest(t1):.3f} s")
             del out
 
         counts = torch.tensor([leaves, dcp_leaves], dtype=torch.int64)
@@ -399,11 +288,12 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
             with open(result, "w") as f:
                 json.dump({"live_s": live, "report_seconds": rep.seconds, "sent": rep.sent,
                            "local": rep.local, "planned_moved": rep.planned_moved,
-                           "lower_bound": rep.lower_bound, "ring_s": ring, "ring_bytes": ring_bytes,
-                           "pattern_s": pattern, "pattern_bytes": int(sum(map(sum, matrix))),
+                           "peak_buffer": rep.peak_buffer, "rounds": rep.rounds,
+                           "lower_bound": rep.lower_bound, "ring_s": ring_s, "ring_bytes": ring_bytes,
+                           "pattern_s": pattern_s, "pattern_bytes": int(sum(map(sum, matrix))),
                            "matrix": matrix, "dcp_s": dcp_best, "dcp_save_s": save_best,
                            "dcp_load_s": load_best, "live_cpu_s": live_cpu,
-                           "dcp_cpu_s": dcp_cpu, "ring_cpu_s": RING_CPU[0], "live_leaves_checked": checked[0],
+                           "dcp_cpu_s": dcp_cpu, "ring_cpu_s": ring_cpu, "live_leaves_checked": checked[0],
                            "dcp_leaves_checked": checked[1]}, f)
         dist.barrier()
     finally:
@@ -463,6 +353,8 @@ def main() -> None:
           f"bit for bit; DCP load: {r['dcp_leaves_checked']} tensor shards == materialize bit for bit")
     print(f"bytes: sent {r['sent'] / 1e6:.1f} MB, kept local {r['local'] / 1e6:.1f} MB, "
           f"planned moved {r['planned_moved'] / 1e6:.1f} MB, lower bound {r['lower_bound'] / 1e6:.1f} MB")
+    print(f"transfer buffers: at most {r['peak_buffer'] / 2**20:.1f} MiB held by one process "
+          f"(memory_budget {args.budget_mb:g} MiB), {r['rounds']} rounds")
     print("bytes per pair (row: sender, column: receiver), MB: "
           + "; ".join(" ".join(f"{x / 1e6:.1f}" for x in row) for row in r["matrix"]))
     print(f"gloo p2p ring: {r['ring_bytes'] / 1e6:.1f} MB in {r['ring_s']:.3f} s = {bw / 1e9:.3f} GB/s "
@@ -489,7 +381,7 @@ def main() -> None:
         stats.sort_stats("tottime").print_stats(20)
         stats.sort_stats("cumulative").print_stats(25)
         print(f"per-rank phases (stats of rank r > 0 in {args.profile}.rankN):")
-        print(phase_table(args.profile))
+        print(phase_table(args.profile, WORLD, PHASES))
 
     print(json.dumps({
         "live_over_dcp": round(live_over_dcp, 4),

@@ -4,14 +4,19 @@ Run:  torchrun --standalone --nproc_per_node=4 examples/elastic_torchrun.py
 
 1. Four workers hold a GPT-style state at dp=2,tp=2 and "train" (bump the step).
 2. Live change to dp=1,tp=4 inside the same processes: `tenplex.reconfigure`.
-3. Stage the state to a host-memory store (as before an elastic restart), and
-   load one rank's shards back under another config: `tenplex.stage` / `tenplex.load`.
-4. Rank 3's state is lost: the others rebuild it from replicas with `tenplex.recover`
-   (rank 3 stands in for a replacement that starts empty).
+3. Save the state with every worker writing its own shards (as before an elastic
+   restart), and load one rank's shards back under another config:
+   `tenplex.save_distributed` / `tenplex.load`. The store must be one every new
+   worker can read (a shared filesystem or s3://); all workers here share one host.
+4. Rank 1's state is lost. The survivors are renumbered (as torchrun does after a
+   restart): each declares the old rank it held (`old_rank=`), and the process
+   that takes the last place starts empty, as a replacement. `tenplex.recover`
+   rebuilds every shard from the dp replicas.
 Every step is checked against the known global state, bit for bit.
 """
 
 import os
+import shutil
 import tempfile
 
 import torch
@@ -38,36 +43,41 @@ def main() -> None:
     state = materialize(tree, truth, old, rank)
     state["optimizer/step"] = 100
 
-    state, report = tenplex.reconfigure(state, tree, old, new, report=True)
+    state, report = tenplex.reconfigure(state, tree, old, new, timeout=60)
     check(state, tree, new, rank, truth)
     if rank == 0:
         print(f"live {old} -> {new}: sent {report.sent} bytes (lower bound {report.lower_bound}) "
               f"in {report.seconds:.3f} s")
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    root = tempfile.mkdtemp(prefix="tenplex-example-", dir=shm) if rank == 0 else None
-    holder = [root]
+    holder = [tempfile.mkdtemp(prefix="tenplex-example-", dir=shm) if rank == 0 else None]
     dist.broadcast_object_list(holder)
     url = f"file://{holder[0]}/step-100"
-    tenplex.stage(state, tree, new, url)
+    tenplex.save_distributed(state, tree, new, url)
     restarted = tenplex.load(url, ParallelConfig.parse("dp=2,tp=1,pp=2"), rank)
     check(restarted, tree, ParallelConfig.parse("dp=2,tp=1,pp=2"), rank, truth)
     if rank == 0:
-        print(f"staged at {new} to {url}; rank 0 loaded its shards at dp=2,tp=1,pp=2")
+        print(f"saved at {new} to {url}; rank 0 loaded its shards at dp=2,tp=1,pp=2")
 
-    back = tenplex.reconfigure(state, tree, new, old)          # to dp=2,tp=2 again, with replicas
-    back["optimizer/step"] = 130                               # 30 more steps since the staged store
-    lost = {3}
-    survivor_state = None if rank in lost else back
-    recovered, rep = tenplex.recover(survivor_state, tree, old, old, lost=lost, store=url,
+    back, _ = tenplex.reconfigure(state, tree, new, old)     # to dp=2,tp=2 again, with replicas
+    check(back, tree, old, rank, truth)
+    # Old rank 1 is lost, after 30 more steps. torchrun renumbers the survivors (old ranks
+    # 0, 2, 3) as processes 0, 1, 2; process 3 is the replacement. Here each process takes the
+    # state its survivor would hold: in a real job every survivor keeps its own.
+    survivors = [0, 2, 3]
+    old_rank = survivors[rank] if rank < len(survivors) else None
+    held = None
+    if old_rank is not None:
+        held = materialize(tree, truth, old, old_rank)
+        held["optimizer/step"] = 130
+    recovered, rep = tenplex.recover(held, tree, old, old, lost={1}, old_rank=old_rank, store=url,
                                      step_path="optimizer/step")
     check(recovered, tree, old, rank, truth)
     if rank == 0:
-        print(f"recovered rank 3 from its dp replica: {rep.sent} bytes sent, {rep.store} read "
-              f"from the store; {rep.steps_kept} steps kept")
+        print(f"recovered lost rank 1 with renumbered survivors: {rep.sent} bytes sent, "
+              f"{rep.store} read from the store; {rep.steps_kept} steps kept")
     dist.barrier()
     if rank == 0:
-        import shutil
         shutil.rmtree(holder[0], ignore_errors=True)
     dist.destroy_process_group()
 

@@ -17,7 +17,8 @@ from tenplex.transform import (Device, ExecStats, Link, OpKind, Placement, Plan,
 
 from tenplex.api import ReshardReport, load, load_global, reshard, save, verify
 from tenplex import models
-from tenplex.elastic import ReconfigureReport, reconfigure, recover, stage
+from tenplex.elastic import ReconfigureReport, reconfigure, recover
+from tenplex.distributed_save import save_distributed
 
 __version__ = "0.1.0"
 
@@ -28,5 +29,6 @@ __all__ = [
     "Plan", "PlanError", "ReplicaMismatchError", "Scope", "ShardError", "Sharding", "Split",
     "Stage", "StageKind", "StoreError", "TenplexError", "TensorLeaf", "TransferError",
     "ValueLeaf", "ReshardReport", "execute_local", "load", "load_global", "make_plan", "materialize",
-    "models", "reshard", "save", "verify", "ReconfigureReport", "reconfigure", "recover", "stage",
+    "models", "reshard", "save", "verify", "ReconfigureReport", "reconfigure", "recover",
+    "save_distributed",
 ]

@@ -5,16 +5,29 @@ calls the same function. Each process may hold a rank of the old config
 (``src_of``), a rank of the new one (``dst_of``), both, or neither:
 
 - a process in both configs keeps what is already on its device and swaps the rest;
-- a process that only leaves sends and returns ``None``;
+- a process that only leaves sends and returns ``None`` as its state;
 - a process that only joins starts empty (``local_state=None``) and receives.
 
-By default process ``p`` holds old rank ``p`` (if ``p`` < old world size)
-and new rank ``p`` (if ``p`` < new world size), on the same device.
+For :func:`reconfigure`, process ``p`` holds old rank ``p`` (if ``p`` < old
+world size) unless ``src_of`` says otherwise. For :func:`recover`, every
+survivor declares the old rank it holds (``old_rank=``), or the caller passes
+``src_of``: torchrun renumbers survivors, so no default is safe. Process
+``p`` holds new rank ``p`` (if ``p`` < new world size) unless ``dst_of``
+says otherwise.
+
+Before any byte moves, every process checks that all were called with the
+same arguments, that the process mapping is consistent, that every local
+state matches the tree, and that all computed the same plan (its digest);
+any mismatch raises the same error on every process
+(:mod:`tenplex.transform.agree`). During the transfer, a failure anywhere
+raises :class:`~tenplex.errors.TransferError` everywhere within ``timeout``
+(:mod:`tenplex.transform.guard`).
 
 Usage, inside ``torch.distributed`` (see docs/elastic.md for torchrun recipes)::
 
-    state = tenplex.reconfigure(state, tree, old, new)       # all processes
-    state, report = tenplex.recover(state, tree, cfg, cfg, lost={3}, store=last_ckpt)
+    state, report = tenplex.reconfigure(state, tree, old, new)       # all processes
+    state, report = tenplex.recover(state, tree, cfg, cfg, lost={3}, old_rank=my_old_rank,
+                                    store=last_ckpt)
 """
 
 from __future__ import annotations
@@ -22,19 +35,27 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-
-from tenplex.errors import ShardError
+from tenplex.errors import PlanError
 from tenplex.ptree.config import ParallelConfig
-from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
+from tenplex.ptree.sharding import Sharding
+from tenplex.ptree.tree import PTree, TensorLeaf, ValueLeaf
+from tenplex.store.reader import StoreReader
+from tenplex.store.fetch import read_region
+from tenplex.transform.agree import (check_local_state, check_same_inputs, check_same_plan,
+                                     local_problems, tree_digest)
 from tenplex.transform.comm import Comm, LocalComm, TorchComm
 from tenplex.transform.distributed import DEFAULT_BUDGET, execute_distributed
+from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 from tenplex.transform.placement import Device, Placement
 from tenplex.transform.planner import make_plan
 
-__all__ = ["reconfigure", "recover", "stage", "ReconfigureReport", "default_mapping"]
+__all__ = ["reconfigure", "recover", "ReconfigureReport", "default_mapping"]
+
+UNDECLARED = "undeclared"
+"""``old_rank`` of a process that did not declare the old rank it holds."""
 
 
 @dataclass
@@ -48,6 +69,10 @@ class ReconfigureReport:
         filled: bytes of zero-filled new padding.
         planned_moved: the plan's bytes moved; ``lower_bound`` beside it.
         seconds: wall time on the slowest process, in seconds.
+        peak_buffer: the most bytes of transfer buffers one process held at
+            once (at most ``memory_budget``, see
+            :mod:`tenplex.transform.distributed`).
+        rounds: the most rounds of chunked exchange one process ran.
         steps_kept: for :func:`recover` with ``step_path``, the steps of
             progress kept against restarting from the store's checkpoint.
     """
@@ -59,6 +84,8 @@ class ReconfigureReport:
     planned_moved: int = 0
     lower_bound: int = 0
     seconds: float = 0.0
+    peak_buffer: int = 0
+    rounds: int = 0
     steps_kept: int | None = None
 
 
@@ -76,45 +103,18 @@ def _comm(group, comm: Comm | None, device) -> Comm:
     return TorchComm(group, device) if dist.is_initialized() else LocalComm()
 
 
-def _gather(comm: Comm, tree: PTree, local_state, my_src) -> list[dict]:
-    """One all-gather: every process's host name, old rank and value leaves (JSON)."""
-    values = {}
-    if local_state is not None:
-        values = {path: local_state.get(path) for path, _ in tree.values()}
-    try:
-        blob = json.dumps({"host": socket.gethostname(), "src": my_src, "values": values}).encode()
-    except (TypeError, ValueError) as exc:
-        raise ShardError(f"value leaves must be JSON-serializable to move between processes: {exc}") from exc
-    return [json.loads(b) for b in comm.all_gather_bytes(blob)]
-
-
-def _placements(hosts: list[str], src_of, dst_of, src: ParallelConfig, dst: ParallelConfig):
-    device = {p: Device(hosts[p], p) for p in range(len(hosts))}
-    spare = [Device(f"gone-{r}", r) for r in range(src.world_size)]
-    src_dev = [spare[r] for r in range(src.world_size)]
-    dst_dev: list = [None] * dst.world_size
-    for p, r in enumerate(src_of):
-        if r is not None:
-            src_dev[r] = device[p]
-    for p, r in enumerate(dst_of):
-        if r is not None:
-            dst_dev[r] = device[p]
-    missing = [r for r, d in enumerate(dst_dev) if d is None]
-    if missing:
-        raise ShardError(f"target ranks {missing} are given to no process")
-    return Placement(tuple(src_dev)), Placement(tuple(dst_dev))
-
-
 def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelConfig,
                 dst: ParallelConfig, *, group=None, comm: Comm | None = None,
                 src_of: Sequence[int | None] | None = None, dst_of: Sequence[int | None] | None = None,
                 alive=None, store=None, memory_budget: int = DEFAULT_BUDGET,
-                device: str = "cpu", report: bool = False):
+                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT):
     """This process's state under ``dst``, moved from the other processes without a checkpoint.
 
     Args:
         local_state: this process's ``{path: local tensor or value}`` under
-            ``src``, or ``None`` if it holds no old rank.
+            ``src``, or ``None`` if it holds no old rank. Tensors must have
+            the tree's dtype and local shape, be contiguous and on ``device``;
+            value leaves must be JSON-serializable.
         tree: the tree spec (the same everywhere).
         src, dst: the old and new configs.
         group: the transition process group (default: the world).
@@ -123,67 +123,223 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
         alive: old ranks whose data can be read (default: those held by a process).
         store: a committed checkpoint (URL or :class:`StoreReader`) for regions
             no live rank holds.
-        memory_budget: transfer-buffer bytes in flight per process.
+        memory_budget: bytes of transfer buffers a process may hold at once.
         device: where new tensors are allocated (``"cuda"`` with NCCL).
-        report: also return a :class:`ReconfigureReport`.
+        timeout: seconds a process may stay silent (dead, or not yet in this
+            call) before the reconfiguration fails on every process.
 
     Returns:
-        The new ``{path: local tensor or value}``, or ``None`` for a process
-        that holds no new rank; with ``report``, ``(state, report)``.
+        ``(state, report)``: the new ``{path: local tensor or value}``
+        (``None`` for a process that holds no new rank) and a
+        :class:`ReconfigureReport`, the same on every process.
 
     Raises:
+        PlanError: the processes were called with different arguments, a
+            process mapping that does not fit, or computed different plans;
+            on every process alike, before anything moves.
+        ShardError: a local state does not match the tree (missing leaf,
+            dtype, shape, device); on every process alike, naming the
+            process, leaf, expected and found.
         ConfigError: ``dst`` cannot hold the tree.
         MissingDataError: a region no live rank (and no store) holds; raised
             on every process alike, before anything moves.
-        TransferError: a peer failed or timed out during the transfer; the
-            old state is untouched.
+        TransferError: a process failed, died or timed out during the
+            transfer; raised on every process with the same message, and
+            the old state is untouched.
     """
+    return _transition(local_state, tree, src, dst, what="reconfigure", group=group, comm=comm,
+                       src_of=src_of, dst_of=dst_of, old_rank=UNDECLARED, alive=alive, lost=(),
+                       store=store, memory_budget=memory_budget, device=device, timeout=timeout)
+
+
+def recover(local_state: dict[str, Any] | None, tree: PTree, src: ParallelConfig,
+            dst: ParallelConfig, *, lost: set[int], old_rank: int | None | str = UNDECLARED,
+            src_of: Sequence[int | None] | None = None, store=None, step_path: str | None = None,
+            dst_of: Sequence[int | None] | None = None, group=None, comm: Comm | None = None,
+            memory_budget: int = DEFAULT_BUDGET, device: str = "cpu",
+            timeout: float = DEFAULT_TIMEOUT):
+    """Rebuild the state after losing the old ranks ``lost``.
+
+    Regions held by a surviving replica (dp replicas, tied copies) come from
+    it. Only regions no survivor holds are read from ``store`` (the last
+    committed checkpoint), by range reads in threads that overlap the
+    transfers. Call it on every process of the new group (survivors and
+    replacements).
+
+    Args:
+        local_state, tree, src, dst: as :func:`reconfigure`; a replacement
+            passes ``local_state=None``.
+        lost: the old ranks that are gone.
+        old_rank: the old rank this process holds (a survivor), or ``None``
+            (a replacement; the default when ``local_state`` is ``None``).
+        src_of: instead of ``old_rank``, per process, the old rank it holds
+            (the same list on every process).
+        store: the last committed checkpoint, for regions no survivor holds.
+        step_path: a global value leaf counting steps (e.g.
+            ``"optimizer/step"``); the report then says how many steps of
+            progress were kept against restarting from ``store``.
+        dst_of, group, comm, memory_budget, device, timeout: as :func:`reconfigure`.
+
+    Returns:
+        ``(state, report)``.
+
+    Raises:
+        PlanError: a survivor declares no old rank (and no ``src_of``), two
+            processes declare the same old rank, a declaration contradicts
+            ``src_of``, or a process declares a lost rank; on every process alike.
+        MissingDataError: a region neither a survivor nor the store holds,
+            listing the leaves and regions; on every process alike.
+        ShardError, ConfigError, TransferError: as :func:`reconfigure`.
+    """
+    if old_rank == UNDECLARED and local_state is None:
+        old_rank = None
+    return _transition(local_state, tree, src, dst, what="recover", group=group, comm=comm,
+                       src_of=src_of, dst_of=dst_of, old_rank=old_rank, alive=None, lost=lost,
+                       store=store, memory_budget=memory_budget, device=device, timeout=timeout,
+                       step_path=step_path)
+
+
+def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_of, old_rank,
+                alive, lost, store, memory_budget, device, timeout, step_path=None):
     start = time.perf_counter()
     comm = _comm(group, comm, device)
-    default_src, default_dst = default_mapping(comm.size, src, dst)
-    src_of = list(src_of) if src_of is not None else default_src
-    dst_of = list(dst_of) if dst_of is not None else default_dst
-    held = {r for r in src_of if r is not None}
-    alive = held if alive is None else set(alive) & held
-    gathered = _gather(comm, tree, local_state, src_of[comm.rank])
-    src_pl, dst_pl = _placements([g["host"] for g in gathered], src_of, dst_of, src, dst)
-    reader = _reader(store)
-    plan = make_plan(tree, src, dst, src_placement=src_pl, dst_placement=dst_pl, alive=alive,
-                     store_fallback=reader is not None)
     me = comm.rank
-    tensors = None if local_state is None else {p: v for p, v in local_state.items()
-                                                if isinstance(tree.leaves.get(p), TensorLeaf)}
-    read = None
-    if reader is not None:
-        from tenplex.store.region import read_region
-        read = lambda path, box: read_region(reader, path, box)
-    out, stats = execute_distributed(plan, tree, tensors, comm, src_of, dst_of,
-                                     memory_budget=memory_budget, store_read=read, device=device)
-    values = _values(tree, plan, gathered, dst_of[me], reader)
-    # every process confirms it holds its new state: a peer lost after its last byte was sent
-    # still fails the reconfiguration everywhere, so no process goes on alone
-    comm.barrier()
+    dst_of = list(dst_of) if dst_of is not None else default_mapping(comm.size, src, dst)[1]
+    with TransferGuard(comm, timeout=timeout, what=what) as guard:
+        guard.phase("plan")
+        reader = _reader(store)
+        my_src = _local_old_rank(me, src, src_of, old_rank, what)
+        problems = local_problems(tree, Sharding(tree, src), my_src, local_state, device) \
+            if my_src is None or 0 <= my_src < src.world_size else []
+        inputs = {"src": src.to_json(), "dst": dst.to_json(), "tree": tree_digest(tree),
+                  "src_of": None if src_of is None else list(src_of), "dst_of": dst_of,
+                  "alive": None if alive is None else sorted(int(r) for r in alive),
+                  "lost": sorted(int(r) for r in lost),
+                  "store": reader is not None}
+        values = {} if problems or local_state is None else \
+            {path: local_state.get(path) for path, _ in tree.values()}
+        blob = {"host": socket.gethostname(), "old_rank": old_rank, "has_state": local_state is not None,
+                "problems": problems, "values": values, "inputs": inputs}
+        everyone = [json.loads(b) for b in guard.gather("inputs", json.dumps(blob).encode())]
+        with guard.agreeing():  # every process holds `everyone`: the same error everywhere
+            check_same_inputs(what, everyone)
+            src_of = _resolve_src_of(what, everyone, src_of, src, dst_of, lost)
+            labels = [f"process {p} (old rank {src_of[p]}, new rank {dst_of[p]})"
+                      for p in range(comm.size)]
+            guard.describe(labels[me])
+            check_local_state(what, everyone, labels)
+            held = {r for r in src_of if r is not None}
+            live = (held if alive is None else set(alive) & held) - set(lost)
+            src_pl, dst_pl = _placements([g["host"] for g in everyone], src_of, dst_of, src, dst)
+            plan = make_plan(tree, src, dst, src_placement=src_pl, dst_placement=dst_pl, alive=live,
+                             store_fallback=reader is not None)
+        guard.phase("agree")
+        digests = [b.decode() for b in guard.gather("agree", plan.digest().encode())]
+        with guard.agreeing():
+            check_same_plan(what, digests)
+        tensors = None if local_state is None else {p: v for p, v in local_state.items()
+                                                    if isinstance(tree.leaves.get(p), TensorLeaf)}
+        read = None if reader is None else (lambda path, box: read_region(reader, path, box))
+        out, stats = execute_distributed(plan, tree, tensors, comm, src_of, dst_of,
+                                         memory_budget=memory_budget, store_read=read,
+                                         device=device, guard=guard)
+        by_src = {src_of[p]: g["values"] for p, g in enumerate(everyone) if src_of[p] is not None}
+        values = _values(tree, plan, by_src, dst_of[me], reader)
+        guard.phase("confirm")
+        # every process confirms it holds its new state: a peer lost after its last byte was
+        # sent still fails the transfer everywhere, so no process goes on alone
+        mine = {"sent": stats.sent, "local": stats.local, "store": stats.store, "filled": stats.filled,
+                "seconds": time.perf_counter() - start, "peak_buffer": stats.peak_buffer,
+                "rounds": stats.rounds}
+        confirms = [json.loads(b) for b in guard.gather("confirm", json.dumps(mine).encode())]
     if out is not None:
         out.update(values)
         out = {p: out[p] for p in tree.leaves if p in out}
-    if not report:
-        return out
-    totals = _sum_stats(comm, stats, time.perf_counter() - start)
-    rep = ReconfigureReport(sent=totals["sent"], local=totals["local"], store=totals["store"],
-                            filled=totals["filled"], planned_moved=plan.totals.moved,
-                            lower_bound=plan.totals.lower_bound, seconds=totals["seconds"])
-    return out, rep
+    report = ReconfigureReport(
+        **{k: sum(c[k] for c in confirms) for k in ("sent", "local", "store", "filled")},
+        planned_moved=plan.totals.moved, lower_bound=plan.totals.lower_bound,
+        seconds=max(c["seconds"] for c in confirms), peak_buffer=max(c["peak_buffer"] for c in confirms),
+        rounds=max(c["rounds"] for c in confirms))
+    if step_path is not None and reader is not None:
+        report.steps_kept = _steps_kept(by_src, live, step_path, reader)
+    return out, report
+
+
+def _local_old_rank(me: int, src: ParallelConfig, src_of, old_rank, what: str):
+    """The old rank this process holds, by its own arguments (checked against everyone's later)."""
+    if src_of is not None:
+        return src_of[me] if me < len(src_of) else None
+    if old_rank != UNDECLARED:
+        return old_rank
+    return me if what == "reconfigure" and me < src.world_size else None
+
+
+def _resolve_src_of(what: str, everyone: list[dict], src_of, src: ParallelConfig, dst_of, lost) -> list:
+    """Per process, the old rank it holds, from ``src_of`` or everyone's declarations.
+
+    Raises:
+        PlanError: a survivor without a declaration, a declaration that
+            contradicts ``src_of``, a rank held twice or out of range, a lost
+            rank declared; the same on every process (all hold ``everyone``).
+    """
+    n = len(everyone)
+    for name, of in (("src_of", src_of), ("dst_of", dst_of)):
+        if of is not None and len(of) != n:
+            raise PlanError(f"{what}: {name} has {len(of)} entries for {n} processes")
+    declared = [e["old_rank"] for e in everyone]
+    if src_of is not None:
+        out = list(src_of)
+        for p, d in enumerate(declared):
+            if d != UNDECLARED and d != out[p]:
+                raise PlanError(f"{what}: process {p} declares old rank {d}, but src_of gives it {out[p]}")
+    elif what == "reconfigure":
+        out = [d if d != UNDECLARED else (p if p < src.world_size else None) for p, d in enumerate(declared)]
+    else:
+        silent = [p for p, e in enumerate(everyone) if e["old_rank"] == UNDECLARED]
+        if silent:
+            raise PlanError(f"{what}: processes {silent} hold a local state but declare no old rank; "
+                            "pass old_rank= (the rank each held before the failure; torchrun renumbers "
+                            "survivors) or src_of=")
+        out = declared
+    for p, r in enumerate(out):
+        if r is not None and not (isinstance(r, int) and 0 <= r < src.world_size):
+            raise PlanError(f"{what}: process {p} holds old rank {r!r}, outside 0..{src.world_size - 1}")
+        if r is not None and r in lost:
+            raise PlanError(f"{what}: process {p} declares old rank {r}, which is in lost {sorted(lost)}")
+    seen: dict[int, int] = {}
+    for p, r in enumerate(out):
+        if r is not None and r in seen:
+            raise PlanError(f"{what}: old rank {r} is declared by processes {seen[r]} and {p}")
+        if r is not None:
+            seen[r] = p
+    return out
+
+
+def _placements(hosts: list[str], src_of, dst_of, src: ParallelConfig, dst: ParallelConfig):
+    device = {p: Device(hosts[p], p) for p in range(len(hosts))}
+    src_dev = [Device(f"gone-{r}", r) for r in range(src.world_size)]
+    dst_dev: list = [None] * dst.world_size
+    for p, r in enumerate(src_of):
+        if r is not None:
+            src_dev[r] = device[p]
+    for p, r in enumerate(dst_of):
+        if r is not None:
+            if not (isinstance(r, int) and 0 <= r < dst.world_size) or dst_dev[r] is not None:
+                raise PlanError(f"dst_of: new rank {r!r} is given to two processes or is out of range")
+            dst_dev[r] = device[p]
+    missing = [r for r, d in enumerate(dst_dev) if d is None]
+    if missing:
+        raise PlanError(f"new ranks {missing} are given to no process (dst_of {list(dst_of)})")
+    return Placement(tuple(src_dev)), Placement(tuple(dst_dev))
 
 
 def _reader(store):
     if store is None:
         return None
-    from tenplex.store.reader import StoreReader
     return store if isinstance(store, StoreReader) else StoreReader(store)
 
 
-def _values(tree, plan, gathered: list[dict], my_dst, reader) -> dict:
-    by_src = {g["src"]: g["values"] for g in gathered if g["src"] is not None}
+def _values(tree, plan, by_src: dict, my_dst, reader) -> dict:
     out = {}
     for op in plan.values:
         if op.dst_rank != my_dst:
@@ -198,98 +354,9 @@ def _values(tree, plan, gathered: list[dict], my_dst, reader) -> dict:
     return out
 
 
-def _sum_stats(comm: Comm, stats, seconds: float) -> dict:
-    mine = {"sent": stats.sent, "local": stats.local, "store": stats.store, "filled": stats.filled,
-            "seconds": seconds}
-    everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
-    out = {k: sum(e[k] for e in everyone) for k in ("sent", "local", "store", "filled")}
-    out["seconds"] = max(e["seconds"] for e in everyone)
-    return out
-
-
-def recover(local_state: dict[str, Any] | None, tree: PTree, src: ParallelConfig,
-            dst: ParallelConfig, *, lost: set[int], store=None, step_path: str | None = None,
-            **kwargs):
-    """Rebuild the state after losing the old ranks ``lost``.
-
-    Regions held by a surviving replica (dp replicas, tied copies) come from
-    it. Only regions no survivor holds are read from ``store`` (the last
-    committed checkpoint), by range reads. Call it on every process of the
-    new group (survivors and replacements), with ``src_of`` saying which old
-    rank each survivor holds (default: process ``p`` holds old rank ``p``
-    unless ``p`` is in ``lost``).
-
-    Args:
-        local_state, tree, src, dst: as :func:`reconfigure`.
-        lost: the old ranks that are gone.
-        store: the last committed checkpoint, for regions no survivor holds.
-        step_path: a global value leaf counting steps (e.g.
-            ``"optimizer/step"``); the report then says how many steps of
-            progress were kept against restarting from ``store``.
-        **kwargs: passed to :func:`reconfigure` (``group``, ``comm``,
-            ``src_of``, ``dst_of``, ``memory_budget``, ``device``).
-
-    Returns:
-        ``(state, report)``.
-
-    Raises:
-        MissingDataError: a region neither a survivor nor the store holds,
-            listing the leaves and regions; on every process alike.
-    """
-    comm = _comm(kwargs.pop("group", None), kwargs.pop("comm", None), kwargs.get("device", "cpu"))
-    if kwargs.get("src_of") is None:
-        src_of, _ = default_mapping(comm.size, src, dst)
-        kwargs["src_of"] = [None if r in lost else r for r in src_of]
-    alive = {r for r in kwargs["src_of"] if r is not None} - set(lost)
-    reader = _reader(store)
-    state, rep = reconfigure(local_state, tree, src, dst, comm=comm, alive=alive, store=reader,
-                             report=True, **kwargs)
-    if step_path is not None and reader is not None:
-        now = (state or {}).get(step_path)
-        steps = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(now).encode())]
-        current = next((s for s in steps if s is not None), None)
-        stored = reader.manifest.values.get(step_path)
-        if isinstance(current, (int, float)) and isinstance(stored, (int, float)):
-            rep.steps_kept = int(current - stored)
-    return state, rep
-
-
-def stage(local_state: dict[str, Any], tree: PTree, config: ParallelConfig, url: str, *,
-          rank: int | None = None, group=None, comm: Comm | None = None) -> None:
-    """Save every rank's state to one checkpoint at ``url``, each rank writing its own shards.
-
-    For elastic restarts: stage to a host-memory store (a ``file://`` path
-    under ``/dev/shm``) before the workers exit; the new workers then call
-    ``tenplex.load(url, new_config, new_rank)``, which reads only their byte
-    ranges. Rank 0 commits the manifest after every rank has written.
-
-    Raises:
-        AlreadyExistsError: ``url`` holds a committed checkpoint.
-        TransferError: a peer failed.
-    """
-    from tenplex.store.writer import StoreWriter, FileRecord
-
-    comm = _comm(group, comm, "cpu")
-    rank = comm.rank if rank is None else rank
-    writer = StoreWriter(url, tree, config, clear=comm.rank == 0) if comm.rank == 0 else None
-    comm.barrier()
-    if writer is None:
-        writer = StoreWriter(url, tree, config, clear=False)
-    for path, _, _ in writer.entries().get(rank, []):
-        writer.write(rank, path, local_state[path])
-    records = {k: asdict(v) for k, v in writer.records().items()}
-    values = {p: local_state.get(p) for p, _ in tree.values()}
-    blob = json.dumps({"rank": rank, "records": records, "values": values}).encode()
-    everyone = [json.loads(b) for b in comm.all_gather_bytes(blob)]
-    if comm.rank == 0:
-        for item in everyone:
-            writer.add_records({k: FileRecord(v["size"], v["block"], tuple(v["digests"]))
-                                for k, v in item["records"].items()})
-        stored = {}
-        for path, leaf in tree.values():
-            if leaf.scope is Scope.GLOBAL:
-                stored[path] = everyone[0]["values"][path]
-            else:
-                stored[path] = {leaf.key(config, e["rank"]): e["values"][path] for e in everyone}
-        writer.commit(stored)
-    comm.barrier()
+def _steps_kept(by_src: dict, live: set, step_path: str, reader) -> int | None:
+    current = next((by_src[r].get(step_path) for r in sorted(live) if r in by_src), None)
+    stored = reader.manifest.values.get(step_path)
+    if isinstance(current, (int, float)) and isinstance(stored, (int, float)):
+        return int(current - stored)
+    return None

@@ -89,7 +89,7 @@ def sequence(rank: int, world: int, port: int, out_dir: str) -> None:
     local = materialize(TREE, global_state(FIRST), FIRST, rank) if rank < FIRST.world_size else None
     config, rows = FIRST, []
     for target in SEQUENCE:
-        local, rep = tenplex.reconfigure(local, TREE, config, target, report=True, memory_budget=1 << 17)
+        local, rep = tenplex.reconfigure(local, TREE, config, target, memory_budget=1 << 17)
         values = expected_values(values, config, target)
         if rank < target.world_size:
             check(local, target, rank, values, tensors)
@@ -205,14 +205,71 @@ def fault(rank: int, port_a: int, port_b: int, out_dir: str) -> None:
         # rerun with the survivors: rank 3's shards live on in their dp replica (rank 1)
         init(rank, 3, port_b)
         rerun = P(dp=3, tp=1)
-        state = tenplex.reconfigure(local, tree, CONFIG, rerun, src_of=[0, 1, 2], dst_of=[0, 1, 2],
-                                    alive={0, 1, 2})
+        state, _ = tenplex.reconfigure(local, tree, CONFIG, rerun, src_of=[0, 1, 2], dst_of=[0, 1, 2],
+                                       alive={0, 1, 2})
         values = global_state(CONFIG, tree)
         tensors = {p: t for p, t in values.items() if isinstance(t, torch.Tensor)}
         check(state, rerun, rank, expected_values({p: v for p, v in values.items()
                                                    if not isinstance(v, torch.Tensor)}, CONFIG, rerun),
               tensors, tree)
         report(out_dir, f"fault-{rank}", {"first": outcome, "rerun": "ok"})
+        dist.destroy_process_group()
+    except BaseException:
+        report(out_dir, f"error-{rank}", traceback.format_exc())
+        raise
+
+
+# -- agreement and rank declarations (one process group, one scenario after another) --------
+
+def _scenario(rank: int, name: str):
+    """Run scenario ``name`` on this process; returns what it got (state or error)."""
+    tree, truth = REPLICATED, global_state(CONFIG, REPLICATED)
+    local = materialize(tree, truth, CONFIG, rank)
+    if name == "dtype" and rank == 2:
+        local["optimizer/exp_avg/model/layers/0/mlp/fc1/weight"] = \
+            local["optimizer/exp_avg/model/layers/0/mlp/fc1/weight"].to(torch.bfloat16)
+    if name == "missing" and rank == 1:
+        del local["model/layers/1/attention/qkv/weight"]
+    if name in ("dtype", "missing", "args"):
+        dst = P(dp=4, tp=1) if name == "args" and rank == 3 else P(dp=1, tp=4)
+        return tenplex.reconfigure(local, tree, CONFIG, dst)
+    # recovery after losing old rank 1: survivors 0, 2, 3 are renumbered 0, 1, 2 (as torchrun
+    # does); process 3 is a replacement. Each survivor holds its old rank's state.
+    old = [0, 2, 3, None][rank]
+    state = None if old is None else materialize(tree, truth, CONFIG, old)
+    kwargs = {"old_rank": old}
+    if name == "src_of":
+        kwargs = {"src_of": [0, 2, 3, None]}
+    elif name == "duplicate" and rank == 1:
+        kwargs = {"old_rank": 3}
+    elif name == "contradiction":
+        kwargs = {"src_of": [0, 2, 3, None], "old_rank": 3 if rank == 1 else old}
+    elif name == "lost":
+        kwargs = {"old_rank": 1 if rank == 0 else old}
+    elif name == "undeclared":
+        kwargs = {}
+    out, rep = tenplex.recover(state, tree, CONFIG, CONFIG, lost={1}, **kwargs)
+    values = {p: v for p, v in truth.items() if not isinstance(v, torch.Tensor)}
+    tensors = {p: t for p, t in truth.items() if isinstance(t, torch.Tensor)}
+    check(out, CONFIG, rank, values, tensors, tree)   # new rank = process rank, bit for bit
+    return {"sent": rep.sent, "store": rep.store}
+
+
+AGREEMENT = ["dtype", "missing", "args", "renumbered", "src_of", "duplicate", "contradiction",
+             "lost", "undeclared"]
+
+
+def agreement(rank: int, port: int, out_dir: str) -> None:
+    """Every scenario of AGREEMENT in one process group; each outcome reported per process."""
+    try:
+        init(rank, 4, port, timeout=60)
+        results = {}
+        for name in AGREEMENT:
+            try:
+                results[name] = {"ok": _scenario(rank, name)}
+            except Exception as exc:  # reported: the test compares processes
+                results[name] = {"error": type(exc).__name__, "message": str(exc)}
+        report(out_dir, f"agreement-{rank}", results)
         dist.destroy_process_group()
     except BaseException:
         report(out_dir, f"error-{rank}", traceback.format_exc())

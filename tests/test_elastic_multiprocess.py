@@ -118,3 +118,31 @@ def test_peer_dying_mid_transfer_fails_cleanly_and_rerun_succeeds(tmp_path):
     for r in range(3):
         got = _read(tmp_path, f"fault-{r}")
         assert got["first"].startswith("TransferError") and got["rerun"] == "ok", got
+
+
+
+def test_agreement_and_rank_declarations_across_four_processes(tmp_path):
+    port = _port()
+    codes = _run([CTX.Process(target=w.agreement, args=(r, port, str(tmp_path))) for r in range(4)])
+    assert codes == [0, 0, 0, 0], _errors(tmp_path)
+    got = [_read(tmp_path, f"agreement-{r}") for r in range(4)]
+    for name in w.AGREEMENT:
+        outcomes = [g[name] for g in got]
+        if name in ("renumbered", "src_of"):  # renumbered survivors: bit-exact (checked in the workers)
+            assert all("ok" in o for o in outcomes), (name, outcomes)
+            continue
+        # the same error, with the same message, on every process, before anything moved
+        assert all(o == outcomes[0] for o in outcomes) and "error" in outcomes[0], (name, outcomes)
+    expect = {
+        "dtype": ("ShardError", "process 2 (old rank 2, new rank 2): leaf optimizer/exp_avg/model/"
+                                "layers/0/mlp/fc1/weight: expected dtype float32, found bfloat16"),
+        "missing": ("ShardError", "process 1 (old rank 1, new rank 1): leaf model/layers/1/attention/"
+                                  "qkv/weight: missing"),
+        "args": ("PlanError", "dst is"),
+        "duplicate": ("PlanError", "old rank 3 is declared by processes 1 and 2"),
+        "contradiction": ("PlanError", "process 1 declares old rank 3, but src_of gives it 2"),
+        "lost": ("PlanError", "process 0 declares old rank 1, which is in lost [1]"),
+        "undeclared": ("PlanError", "processes [0, 1, 2] hold a local state but declare no old rank"),
+    }
+    for name, (kind, text) in expect.items():
+        assert got[0][name]["error"] == kind and text in got[0][name]["message"], got[0][name]

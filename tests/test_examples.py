@@ -16,5 +16,7 @@ def test_elastic_torchrun_example():
                            "--nproc_per_node=4", str(ROOT / "examples" / "elastic_torchrun.py")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "recovered rank 3 from its dp replica" in done.stdout
+    assert "live dp=2,tp=2,pp=1 -> dp=1,tp=4,pp=1" in done.stdout
+    assert "rank 0 loaded its shards at dp=2,tp=1,pp=2" in done.stdout
+    assert "recovered lost rank 1 with renumbered survivors" in done.stdout
     assert "0 read from the store; 30 steps kept" in done.stdout

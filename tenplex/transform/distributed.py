@@ -1,33 +1,38 @@
 """The torch.distributed executor: every process sends what others need and receives what it lacks.
 
 All processes of the transition group hold the same plan (planning is
-deterministic, so each computes it alone). Process ``p`` may hold a source
-rank (``src_of[p]``), a target rank (``dst_of[p]``), both or neither.
+deterministic, so each computes it alone, and :mod:`~tenplex.transform.agree`
+checks that the digests match). Process ``p`` may hold a source rank
+(``src_of[p]``), a target rank (``dst_of[p]``), both or neither.
 
 - Ops whose source and target live in the same process are local copies.
-- For every ordered pair of processes, the ops from one to the other form a
-  byte stream: the regions' bytes, in plan order. Both sides derive the same
-  stream from the plan, so no metadata travels.
 - Regions of at least :data:`DIRECT_MIN` bytes that are one contiguous run in
   both the source and the target shard are sent from the source shard and
-  received into the target tensor directly: no staging buffer, no copy.
-- Streams are cut into chunks and moved in rounds of batched point-to-point
-  operations (``batch_isend_irecv``). The first round is in flight while a
-  process copies what it already holds, and round r + 1 is in flight while
-  round r is unpacked. A process has at most ``memory_budget`` bytes of
-  chunks in flight (sends plus receives, two rounds).
+  received into the target tensor directly: no buffer, no copy.
+- The other ops between each ordered pair of processes form a byte stream
+  (:mod:`~tenplex.transform.streams`), cut into chunks sized by each
+  process's real peers and moved in rounds of batched point-to-point
+  operations. Round 0 is in flight while a process copies what it already
+  holds, and round r + 1 is in flight while round r is unpacked.
 - STORE ops (recovery of regions no survivor holds) are range reads from a
-  committed store; FILL ops zero new padding.
+  committed store, in a thread pool started before round 0, so they overlap
+  the rounds; FILL ops zero new padding.
+- ``memory_budget`` bounds the transfer buffers a process holds at once:
+  chunks of two rounds (sends and receives), plus the store reads in
+  flight (half of the budget goes to each when there are store reads).
+  ``DistStats.peak_buffer`` reports the most held.
 
 Source shards are never written, so the state held before a transfer stays
 usable if the transfer fails. A target tensor that one local op fills whole
-from a contiguous source region is a view of the old shard (no copy). A failure surfaces as
-:class:`~tenplex.errors.TransferError` within the process group's timeout.
+from a contiguous source region is a view of the old shard (no copy).
+Every wait goes through the :class:`~tenplex.transform.guard.TransferGuard`,
+so a failure anywhere surfaces here as a TransferError within its bounds.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -35,22 +40,27 @@ import numpy as np
 import torch
 
 from tenplex.errors import PlanError
-from tenplex.ptree.region import Box, is_contiguous, relative, to_slices
+from tenplex.ptree.region import Box, decompose_flat, is_contiguous, relative, shift, to_slices, volume
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
 from tenplex.transform.comm import Comm
+from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 from tenplex.transform.local import allocate
 from tenplex.transform.plan import KIND_CODE, LINK_CODE, Link, OpKind, Plan
+from tenplex.transform.streams import MIN_CHUNK, Buffers, Stream, chunk_shares
 
 __all__ = ["DistStats", "execute_distributed", "DEFAULT_BUDGET"]
 
 DEFAULT_BUDGET = 256 << 20
-"""Bytes of transfer buffers a process may have in flight (256 MiB)."""
+"""Bytes of transfer buffers a process may hold at once (256 MiB)."""
 
 DIRECT_MIN = 256 << 10
 """Regions of at least this many bytes, contiguous in both the source and the target shard,
-are sent from the source shard and received into the target shard, without staging buffers."""
+are sent from the source shard and received into the target shard, without buffers."""
+
+STORE_THREADS = 4
+"""Store reads in flight at once during recovery."""
 
 _FILL = KIND_CODE[OpKind.FILL]
 _STORE = LINK_CODE[Link.STORE]
@@ -60,7 +70,8 @@ _STORE = LINK_CODE[Link.STORE]
 class DistStats:
     """What one process moved, in bytes: ``sent``, ``received``, ``local`` copies,
     ``store`` reads, ``filled`` padding; ``rounds`` of exchange; ``peak_buffer``
-    bytes of transfer buffers held at once."""
+    bytes of transfer buffers held at once (chunks and store reads); ``peers``
+    it exchanged with; ``chunk`` the largest chunk size it used."""
 
     sent: int = 0
     received: int = 0
@@ -69,6 +80,7 @@ class DistStats:
     filled: int = 0
     rounds: int = 0
     peak_buffer: int = 0
+    chunk: int = 0
     peers: list[int] = field(default_factory=list)
 
 
@@ -76,20 +88,27 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
                         src_of: Sequence[int | None], dst_of: Sequence[int | None], *,
                         memory_budget: int = DEFAULT_BUDGET,
                         store_read: Callable | None = None,
-                        device: str | torch.device = "cpu") -> tuple[dict | None, DistStats]:
+                        device: str | torch.device = "cpu",
+                        guard: TransferGuard | None = None,
+                        timeout: float = DEFAULT_TIMEOUT) -> tuple[dict | None, DistStats]:
     """Run ``plan`` across the processes of ``comm``.
 
     Args:
         plan: the plan (the same on every process).
         tree: the tree spec.
         local: this process's source shards (``{path: local tensor}``), or
-            ``None`` if it holds no source rank.
+            ``None`` if it holds no source rank. Checked by the caller
+            (:func:`~tenplex.transform.agree.local_problems`).
         comm: the communicator; ``comm.rank`` is this process.
         src_of: per process, the source rank it holds (or ``None``).
         dst_of: per process, the target rank it will hold (or ``None``).
-        memory_budget: bytes of transfer buffers in flight per process.
-        store_read: ``store_read(path, box) -> tensor`` for STORE ops.
+        memory_budget: bytes of transfer buffers a process may hold at once.
+        store_read: ``store_read(path, box) -> tensor`` for STORE ops (called
+            from worker threads).
         device: where target tensors and buffers are allocated.
+        guard: the caller's fail-together guard (already entered); default
+            a new one over ``comm`` with ``timeout``.
+        timeout: seconds a silent peer is waited for (only without ``guard``).
 
     Returns:
         ``(target shards or None, stats)``; tensor leaves only (values are
@@ -98,14 +117,18 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     Raises:
         PlanError: the process mapping does not fit the plan, or STORE ops
             without ``store_read``.
-        TransferError: a peer failed or timed out.
+        TransferError: a peer failed, died or timed out.
     """
+    if guard is None:
+        with TransferGuard(comm, timeout=timeout, what="execute_distributed") as own:
+            return execute_distributed(plan, tree, local, comm, src_of, dst_of,
+                                       memory_budget=memory_budget, store_read=store_read,
+                                       device=device, guard=own)
     me = comm.rank
-    proc_src, proc_dst = _owners(src_of, plan.src.world_size, "source"), \
-        _owners(dst_of, plan.dst.world_size, "target")
+    proc_src = _owners(src_of, plan.src.world_size, "source")
+    proc_dst = _owners(dst_of, plan.dst.world_size, "target")
     my_dst = dst_of[me]
-    S, D = Sharding(tree, plan.src), Sharding(tree, plan.dst)
-    out = allocate(tree, D, my_dst) if my_dst is not None else None
+    out = allocate(tree, Sharding(tree, plan.dst), my_dst) if my_dst is not None else None
     if out is not None and torch.device(device).type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     stats = DistStats()
@@ -113,25 +136,46 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     n = len(c["dst"])
     src_proc = np.where(c["src"] >= 0, proc_src[np.maximum(c["src"], 0)], -1)
     dst_proc = proc_dst[c["dst"]] if n else np.zeros(0, dtype=np.int64)
-    fill = c["kind"] == _FILL
-    store = c["link"] == _STORE
-    mine_in = (dst_proc == me)
-    ctx = _Context(plan, S, D, local, out)
-    local_rows = np.nonzero(mine_in & ((src_proc == me) | fill | store))[0]
+    fill, store = c["kind"] == _FILL, c["link"] == _STORE
+    cross = (src_proc >= 0) & (src_proc != dst_proc) & ~fill & ~store
+    ctx = _Context(plan, tree, local, out)
+    mine_in = dst_proc == me
+    local_rows = np.nonzero(mine_in & (src_proc == me) & ~store | mine_in & fill)[0]
+    store_rows = np.nonzero(mine_in & store & ~fill)[0]
     if out is not None and local is not None:
         local_rows = _share_unchanged(ctx, local_rows, mine_in, stats)
-    sends = defaultdict(list)
-    recvs = defaultdict(list)
-    for row in np.nonzero((src_proc == me) & (dst_proc != me) & ~fill & ~store)[0].tolist():
+    if len(store_rows) and store_read is None:
+        op = ctx.op(int(store_rows[0]))
+        raise PlanError(f"plan reads {op.path} {op.region} from a store, but no store was given")
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for row in np.nonzero(cross & (src_proc == me))[0].tolist():
         sends[int(dst_proc[row])].append(row)
-    for row in np.nonzero(mine_in & (src_proc != me) & (src_proc >= 0) & ~fill & ~store)[0].tolist():
+    for row in np.nonzero(cross & mine_in)[0].tolist():
         recvs[int(src_proc[row])].append(row)
     if sends and local is None:
         raise PlanError(f"process {me} must send but holds no source shards")
     stats.peers = sorted(set(sends) | set(recvs))
-    # the first round is in flight while this process copies what it already holds
-    _exchange(ctx, comm, sends, recvs, memory_budget, stats, device,
-              meanwhile=lambda: [ctx.local_op(row, stats, store_read) for row in local_rows.tolist()])
+    # a process with store reads gives half of its budget to them; every process knows which do
+    reading = np.bincount(dst_proc[store & ~fill], minlength=comm.size)[: comm.size] > 0
+    p2p_budget = np.where(reading, memory_budget // 2, memory_budget)
+    shares = chunk_shares(src_proc[cross], dst_proc[cross], comm.size, p2p_budget)
+    buffers = Buffers()
+    reads = _StoreReads(ctx, store_rows, store_read, memory_budget - int(p2p_budget[me]), buffers)
+    pending = guard.pending  # posted exchanges not yet waited for: the guard aborts them on failure
+    try:
+        reads.start()
+
+        def meanwhile():
+            guard.phase("local copy")
+            for row in local_rows.tolist():
+                ctx.local_op(row, stats)
+
+        _exchange(ctx, comm, guard, sends, recvs, shares, buffers, stats, device, meanwhile, pending)
+        guard.phase("store read")
+        stats.store = reads.finish()
+    finally:
+        reads.close()
+    stats.peak_buffer = buffers.peak
     return out, stats
 
 
@@ -148,9 +192,8 @@ def _share_unchanged(ctx: "_Context", local_rows: np.ndarray, mine_in: np.ndarra
     keep = []
     for row in local_rows.tolist():
         op = ctx.op(row)
-        path_index = int(c["path"][row])
         target = ctx.out.get(op.path)
-        if counts[path_index] == 1 and op.kind is not OpKind.FILL and op.link is Link.LOCAL:
+        if counts[int(c["path"][row])] == 1 and op.kind is not OpKind.FILL and op.link is Link.LOCAL:
             view = ctx.src_view(row)
             if view.is_contiguous() and view.numel() == target.numel() and view.dtype == target.dtype:
                 ctx.out[op.path] = view.view(target.shape)
@@ -173,8 +216,9 @@ def _owners(of: Sequence[int | None], world: int, what: str) -> np.ndarray:
 class _Context:
     """Views of source and target regions for plan rows."""
 
-    def __init__(self, plan: Plan, S: Sharding, D: Sharding, local, out):
-        self.plan, self.S, self.D, self.local, self.out = plan, S, D, local, out
+    def __init__(self, plan: Plan, tree: PTree, local, out):
+        self.S, self.D = Sharding(tree, plan.src), Sharding(tree, plan.dst)
+        self.local, self.out = local, out
         self.table = plan.table
         self._held: dict = {}
         self._ops: dict = {}
@@ -213,20 +257,63 @@ class _Context:
         piece = self._piece(self.D, op.dst_rank, op.path, op.dst_piece)
         return piece_view(self.out[op.path], piece)[to_slices(relative(op.region, piece.box))]
 
-    def local_op(self, row: int, stats: DistStats, store_read) -> None:
+    def local_op(self, row: int, stats: DistStats) -> None:
         op = self.op(row)
         target = self.dst_view(row)
         if op.kind is OpKind.FILL:
             target.zero_()
             stats.filled += op.nbytes
-        elif op.link is Link.STORE:
-            if store_read is None:
-                raise PlanError(f"plan reads {op.path} {op.region} from a store, but no store was given")
-            target.copy_(store_read(op.path, op.region))
-            stats.store += op.nbytes
         else:
             target.copy_(self.src_view(row))
             stats.local += op.nbytes
+
+
+class _StoreReads:
+    """STORE ops read in a thread pool, overlapped with the rounds, in pieces of bounded size.
+
+    Each op's region is cut into boxes of at most ``budget / threads`` bytes
+    (flat ranges of the region, at most ``2 * ndim - 1`` boxes each), so the
+    reads in flight hold at most ``budget`` bytes of this executor's buffers.
+    """
+
+    def __init__(self, ctx: _Context, rows: np.ndarray, read, budget: int, buffers: Buffers):
+        self.ctx, self.rows, self.read, self.buffers = ctx, rows.tolist(), read, buffers
+        self.threads = STORE_THREADS
+        self.piece_bytes = max(MIN_CHUNK, budget // self.threads)
+        self.pool: ThreadPoolExecutor | None = None
+        self.futures: list = []
+
+    def start(self) -> None:
+        if not self.rows:
+            return
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tenplex-store")
+        for row in self.rows:
+            op = self.ctx.op(row)
+            itemsize = max(1, op.nbytes // max(1, volume(op.region)))
+            step = max(1, self.piece_bytes // itemsize)
+            total = volume(op.region)
+            for lo in range(0, total, step):
+                for box in decompose_flat(lo, min(total, lo + step), op.region.sizes):
+                    self.futures.append(self.pool.submit(self._read, row, box, itemsize))
+
+    def _read(self, row: int, rel: Box, itemsize: int) -> int:
+        op = self.ctx.op(row)
+        n = volume(rel) * itemsize
+        self.buffers.take(n)
+        try:
+            data = self.read(op.path, shift(rel, op.region.offsets))
+            self.ctx.dst_view(row)[to_slices(rel)].copy_(data)
+        finally:
+            self.buffers.give(n)
+        return n
+
+    def finish(self) -> int:
+        """Wait for every read; the bytes read. Raises the first read's error."""
+        return sum(f.result() for f in self.futures)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _direct(ctx: _Context, rows: list[int], nbytes: np.ndarray) -> tuple[list[int], list[int]]:
@@ -237,117 +324,80 @@ def _direct(ctx: _Context, rows: list[int], nbytes: np.ndarray) -> tuple[list[in
     return direct, packed
 
 
-def _exchange(ctx: _Context, comm: Comm, sends, recvs, budget: int, stats: DistStats, device,
-              meanwhile=None) -> None:
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+
+
+def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, shares: np.ndarray,
+              buffers: Buffers, stats: DistStats, device, meanwhile, pending: list) -> None:
     """Move every pair's bytes: direct regions at once, the rest as chunked streams in rounds.
 
-    Round r + 1 is in flight while round r unpacks. Both ends split rows and
-    cut streams alike, from the plan alone.
+    Round r + 1 is in flight while round r unpacks. Each stream has two
+    chunk buffers, allocated once and used by even and odd rounds in turn
+    (round r + 2 reuses round r's once it is unpacked). ``pending`` holds the
+    posted exchanges not yet waited for (the guard aborts them on failure).
     """
-    nbytes = ctx.table.cols["nbytes"]
-    # both ends of a stream must cut it alike, so the chunk size depends only on shared values;
-    # two rounds in flight to at most (size - 1) peers each way keep the bytes within the budget
-    chunk = max(1 << 16, budget // (4 * max(1, comm.size - 1)))
+    me, nbytes = comm.rank, ctx.table.cols["nbytes"]
     direct_out, direct_in, out_streams, in_streams = [], [], {}, {}
     for p, rows in sends.items():
         direct, packed = _direct(ctx, rows, nbytes)
         direct_out += [(p, ctx.src_view(r)) for r in direct]
-        out_streams[p] = _Stream(packed, nbytes, chunk)
+        out_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.src_view)
     for p, rows in recvs.items():
         direct, packed = _direct(ctx, rows, nbytes)
         direct_in += [(p, ctx.dst_view(r)) for r in direct]
-        in_streams[p] = _Stream(packed, nbytes, chunk)
-    rounds = max([s.chunks for s in out_streams.values()] + [s.chunks for s in in_streams.values()] + [0])
+        in_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.dst_view)
+    streams = list(out_streams.values()) + list(in_streams.values())
+    rounds = max([s.chunks for s in streams] + [0])
+    stats.chunk = max([s.chunk for s in streams if s.chunks] + [0])
+
+    slots: dict = {}  # two buffers per stream, used by even and odd rounds in turn
+
+    def buffer(key, s: Stream, r: int) -> torch.Tensor:
+        buf = slots.get((key, r % 2))
+        if buf is None:
+            buf = slots[(key, r % 2)] = torch.empty(s.chunk, dtype=torch.uint8, device=device)
+            buffers.take(s.chunk)
+        return buf[: s.chunk_size(r)]
 
     def post(r):
-        send_bufs = [(p, s.pack(ctx, r, device)) for p, s in out_streams.items() if r < s.chunks]
-        recv_bufs = [(p, torch.empty(s.chunk_size(r), dtype=torch.uint8, device=device))
-                     for p, s in in_streams.items() if r < s.chunks]
+        send_bufs, recv_bufs = [], []
+        for p, s in out_streams.items():
+            if r < s.chunks:
+                buf = buffer(("out", p), s, r)
+                s.pack(r, buf)
+                send_bufs.append((p, buf))
+        recv_bufs = [(p, buffer(("in", p), s, r)) for p, s in in_streams.items() if r < s.chunks]
         stats.sent += sum(b.numel() for _, b in send_bufs)
         stats.received += sum(b.numel() for _, b in recv_bufs)
-        return send_bufs, recv_bufs, comm.start(send_bufs, recv_bufs)
+        pending.append(comm.start(send_bufs, recv_bufs))
+        return send_bufs, recv_bufs, pending[-1]
+
+    def wait(w) -> None:
+        guard.wait(w)
+        pending.remove(w)
 
     direct_wait = None
     if direct_out or direct_in:  # zero-copy: views of the source shards and the target tensors
-        flat = lambda t: t.view(torch.uint8).reshape(-1) if t.element_size() > 1 or t.dtype != torch.uint8 else t
-        direct_wait = comm.start([(p, flat(t)) for p, t in direct_out], [(p, flat(t)) for p, t in direct_in])
+        direct_wait = comm.start([(p, _flat(t)) for p, t in direct_out],
+                                 [(p, _flat(t)) for p, t in direct_in])
+        pending.append(direct_wait)
         stats.sent += sum(t.numel() * t.element_size() for _, t in direct_out)
         stats.received += sum(t.numel() * t.element_size() for _, t in direct_in)
     current = post(0) if rounds else None
-    if meanwhile is not None:
-        meanwhile()
+    guard.phase("first round")
+    meanwhile()
     for r in range(rounds):
-        send_bufs, recv_bufs, wait = current
-        wait()
+        if r == rounds // 2 and rounds >= 2:
+            guard.phase("middle round")
+        guard.phase_name = f"round {r + 1} of {rounds}"
+        send_bufs, recv_bufs, w = current
+        wait(w)
         current = post(r + 1) if r + 1 < rounds else None
-        held = sum(b.numel() for _, b in send_bufs + recv_bufs)
-        if current is not None:
-            held += sum(b.numel() for _, b in current[0] + current[1])
-        stats.peak_buffer = max(stats.peak_buffer, held)
         for p, buf in recv_bufs:
-            in_streams[p].unpack(ctx, r, buf)
+            in_streams[p].unpack(r, buf)
         stats.rounds += 1
     if direct_wait is not None:
-        direct_wait()
-
-
-class _Stream:
-    """One ordered pair's byte stream: the rows' region bytes, in plan order, cut into chunks."""
-
-    def __init__(self, rows: list[int], nbytes: np.ndarray, chunk: int):
-        self.rows = rows
-        sizes = nbytes[rows]
-        self.starts = np.concatenate(([0], np.cumsum(sizes)))
-        self.total = int(self.starts[-1])
-        self.chunk = chunk
-        self.chunks = -(-self.total // chunk) if self.total else 0
-        self._cache: tuple[int, torch.Tensor] | None = None
-        self._partial: dict[int, torch.Tensor] = {}
-
-    def chunk_size(self, r: int) -> int:
-        return min(self.chunk, self.total - r * self.chunk)
-
-    def _span(self, r: int):
-        a, b = r * self.chunk, min((r + 1) * self.chunk, self.total)
-        i = int(np.searchsorted(self.starts, a, side="right")) - 1
-        while i < len(self.rows) and self.starts[i] < b:
-            lo, hi = int(self.starts[i]), int(self.starts[i + 1])
-            yield i, max(a, lo) - lo, min(b, hi) - lo, max(a, lo) - a
-            i += 1
-
-    def _bytes(self, ctx: _Context, i: int) -> torch.Tensor:
-        if self._cache is None or self._cache[0] != i:
-            self._cache = (i, ctx.src_view(self.rows[i]).contiguous().view(torch.uint8).reshape(-1))
-        return self._cache[1]
-
-    def pack(self, ctx: _Context, r: int, device) -> torch.Tensor:
-        buf = torch.empty(self.chunk_size(r), dtype=torch.uint8, device=device)
-        for i, x, y, at in self._span(r):
-            size = int(self.starts[i + 1] - self.starts[i])
-            if x == 0 and y == size:  # the whole region: copy the strided view straight in
-                view = ctx.src_view(self.rows[i])
-                if at % view.element_size() == 0:
-                    buf[at: at + size].view(view.dtype).view(view.shape).copy_(view)
-                    continue
-            buf[at: at + (y - x)] = self._bytes(ctx, i)[x:y]
-        return buf
-
-    def unpack(self, ctx: _Context, r: int, buf: torch.Tensor) -> None:
-        for i, x, y, at in self._span(r):
-            size = int(self.starts[i + 1] - self.starts[i])
-            target = ctx.dst_view(self.rows[i])
-            if x == 0 and y == size:
-                target.copy_(_typed(buf[at: at + size], target))
-                continue
-            part = self._partial.setdefault(i, torch.empty(size, dtype=torch.uint8, device=buf.device))
-            part[x:y] = buf[at: at + (y - x)]
-            if y == size:
-                target.copy_(_typed(part, target))
-                del self._partial[i]
-
-
-def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``raw`` bytes as a tensor shaped like ``like`` (copied first if misaligned for its dtype)."""
-    if raw.storage_offset() % like.element_size():
-        raw = raw.clone()
-    return raw.view(like.dtype).view(like.shape)
+        guard.phase_name = "direct transfers"
+        wait(direct_wait)
+    buffers.give(sum(b.numel() for b in slots.values()))

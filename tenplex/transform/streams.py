@@ -1,0 +1,146 @@
+"""Byte streams between pairs of processes, cut into chunks and moved in rounds.
+
+For every ordered pair of processes, the packed ops from one to the other
+form a byte stream: the regions' bytes, in plan order. Both ends derive the
+same stream, and the same chunk size, from the plan alone, so no metadata
+travels.
+
+- **Chunk size** follows each process's real peers: a process with ``d``
+  streams (sends plus receives) gives each ``budget / (2 d)`` bytes per round,
+  and a stream's chunk is the smaller of its two ends' shares
+  (:func:`chunk_shares`). Two rounds in flight then hold at most ``budget``
+  bytes at every process, whatever the world size.
+- **Packing** copies each chunk's part of a region straight between the
+  (strided) shard view and the chunk buffer, a few boxes at a time
+  (:func:`copy_bytes`): no region is ever staged whole, however large.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tenplex.ptree.region import decompose_flat, to_slices, volume
+
+__all__ = ["ALIGN", "MIN_CHUNK", "Buffers", "Stream", "chunk_shares", "as_bytes", "copy_bytes"]
+
+MIN_CHUNK = 4096
+"""The smallest chunk, in bytes; a budget below ``2 * streams * MIN_CHUNK`` is exceeded by that much."""
+
+ALIGN = 64
+"""Chunk sizes are multiples of this many bytes."""
+
+
+def chunk_shares(src_proc: np.ndarray, dst_proc: np.ndarray, nproc: int, budget) -> np.ndarray:
+    """Per process, the chunk bytes each of its streams may use per round.
+
+    Args:
+        src_proc, dst_proc: ``[rows]`` sending and receiving process of every
+            row that crosses processes.
+        nproc: processes in the group.
+        budget: bytes of chunk buffers a process may hold (two rounds in
+            flight): one number, or ``[nproc]`` per process. Both ends of a
+            stream must compute the same shares, so it may depend only on
+            what every process knows (the plan).
+
+    Returns:
+        ``[nproc]`` int64: ``budget // (2 * streams)`` rounded down to
+        :data:`ALIGN`, at least :data:`MIN_CHUNK`; a stream from ``p`` to
+        ``q`` uses ``min(share[p], share[q])``.
+    """
+    pairs = np.unique(src_proc.astype(np.int64) * nproc + dst_proc.astype(np.int64))
+    degree = (np.bincount(pairs // nproc, minlength=nproc)
+              + np.bincount(pairs % nproc, minlength=nproc))
+    share = np.asarray(budget, dtype=np.int64) // (2 * np.maximum(degree, 1))
+    return np.maximum(share // ALIGN * ALIGN, MIN_CHUNK).astype(np.int64)
+
+
+class Buffers:
+    """Bytes of transfer buffers held now, and the most held at once (thread-safe)."""
+
+    def __init__(self):
+        self.held = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            self.held += n
+            self.peak = max(self.peak, self.held)
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+
+def as_bytes(view: torch.Tensor) -> torch.Tensor:
+    """``view``'s bytes as a uint8 view with the same row-major byte order (no copy).
+
+    The last axis is widened by the item size; a view whose last axis is
+    strided gets a trailing axis of one element first.
+    """
+    if view.dim() == 0 or view.stride(-1) != 1:
+        view = view.unsqueeze(-1)
+    return view if view.dtype == torch.uint8 else view.view(torch.uint8)
+
+
+def copy_bytes(region: torch.Tensor, start: int, stop: int, flat: torch.Tensor, to_flat: bool) -> None:
+    """Copy bytes ``[start, stop)`` (row-major) of the strided ``region`` to or from the 1-D uint8 ``flat``.
+
+    At most ``2 * ndim + 1`` box copies; nothing is staged.
+    """
+    raw = as_bytes(region)
+    at = 0
+    for box in decompose_flat(start, stop, tuple(raw.shape)):
+        n = volume(box)
+        part = flat[at: at + n].view(box.sizes)
+        if to_flat:
+            part.copy_(raw[to_slices(box)])
+        else:
+            raw[to_slices(box)].copy_(part)
+        at += n
+
+
+class Stream:
+    """One ordered pair's byte stream: its rows' region bytes, in plan order, cut into chunks.
+
+    Args:
+        rows: plan rows, in plan order.
+        nbytes: ``[all rows]`` bytes per row.
+        chunk: chunk size in bytes (the same at both ends).
+        view: ``view(row) -> tensor``, the row's region at this end.
+    """
+
+    def __init__(self, rows: list[int], nbytes: np.ndarray, chunk: int,
+                 view: Callable[[int], torch.Tensor]):
+        self.rows, self.view = rows, view
+        self.starts = np.concatenate(([0], np.cumsum(nbytes[rows]))).astype(np.int64)
+        self.total = int(self.starts[-1])
+        self.chunk = int(chunk)
+        self.chunks = -(-self.total // self.chunk) if self.total else 0
+
+    def chunk_size(self, r: int) -> int:
+        return min(self.chunk, self.total - r * self.chunk)
+
+    def _span(self, r: int):
+        """``(row index, start, stop, buffer offset)`` of every region part in chunk ``r``."""
+        a, b = r * self.chunk, min((r + 1) * self.chunk, self.total)
+        i = int(np.searchsorted(self.starts, a, side="right")) - 1
+        while i < len(self.rows) and self.starts[i] < b:
+            lo, hi = int(self.starts[i]), int(self.starts[i + 1])
+            if hi > lo:
+                yield i, max(a, lo) - lo, min(b, hi) - lo, max(a, lo) - a
+            i += 1
+
+    def pack(self, r: int, buf: torch.Tensor) -> None:
+        """Fill ``buf`` (``chunk_size(r)`` uint8) with chunk ``r``'s bytes."""
+        for i, x, y, at in self._span(r):
+            copy_bytes(self.view(self.rows[i]), x, y, buf[at: at + (y - x)], to_flat=True)
+
+    def unpack(self, r: int, buf: torch.Tensor) -> None:
+        """Write chunk ``r``'s bytes from ``buf`` into the target regions."""
+        for i, x, y, at in self._span(r):
+            copy_bytes(self.view(self.rows[i]), x, y, buf[at: at + (y - x)], to_flat=False)

@@ -1,0 +1,221 @@
+"""Unit tests, in one process: LocalComm, the fail-together guard over an in-memory store,
+byte streams, and chunk sizes that follow a process's real peers."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tenplex.errors import TransferError
+from tenplex.ptree import ParallelConfig as P
+from tenplex.ptree.layout import Layout, Stage
+from tenplex.ptree.tree import PTree, TensorLeaf
+from tenplex.transform import make_plan
+from tenplex.transform.comm import Comm, LocalComm
+from tenplex.transform.distributed import execute_distributed
+from tenplex.transform.guard import TransferGuard
+from tenplex.transform.streams import ALIGN, MIN_CHUNK, Stream, chunk_shares, copy_bytes
+
+
+# -- LocalComm -----------------------------------------------------------------------------
+
+def test_local_comm_has_no_peers():
+    comm = LocalComm()
+    assert (comm.rank, comm.size, comm.store) == (0, 1, None)
+    comm.start([], [])()                      # nothing to move: a no-op wait
+    comm.exchange([], [])
+    assert comm.all_gather_bytes(b"abc") == [b"abc"]
+    comm.barrier()
+    comm.abort()
+
+
+def test_local_comm_refuses_peers_naming_them():
+    with pytest.raises(TransferError, match=r"no peers; asked to exchange with \[1, 2\]"):
+        LocalComm().start([(1, torch.zeros(1))], [(2, torch.zeros(1))])
+
+
+def test_guard_without_peers_passes_errors_through_unchanged():
+    seen = []
+
+    class Recording(LocalComm):
+        def _on_phase(self, phase):
+            seen.append(phase)
+
+    with pytest.raises(KeyError):
+        with TransferGuard(Recording(), timeout=1) as guard:
+            guard.phase("plan")
+            assert guard.gather("inputs", b"x") == [b"x"]
+            guard.wait(lambda: None)
+            raise KeyError("model/x")
+    assert seen == ["plan"]
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        TransferGuard(LocalComm(), timeout=0)
+    with pytest.raises(ValueError, match="not one of"):
+        with TransferGuard(LocalComm()) as guard:
+            guard.gather("bogus", b"")
+
+
+# -- the guard over an in-memory store, one thread per "process" ---------------------------
+
+class StoreComm(Comm):
+    """A process of a group whose only link is a shared in-memory store (no data plane)."""
+
+    def __init__(self, rank, size, store):
+        self.rank, self.size, self.store, self.name = rank, size, store, "threads"
+
+    def start(self, sends, recvs):
+        raise AssertionError("no data plane here")
+
+
+def _threads(size, body, store=None):
+    store = store or dist.HashStore()
+    results = [None] * size
+
+    def run(rank):
+        try:
+            results[rank] = ("ok", body(rank, StoreComm(rank, size, store)))
+        except BaseException as exc:  # reported to the test
+            results[rank] = ("error", exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a guard wait never ended"
+    return results
+
+
+def test_guard_gathers_in_process_order():
+    def body(rank, comm):
+        with TransferGuard(comm, timeout=5) as guard:
+            first = guard.gather("inputs", f"p{rank}".encode())
+            second = guard.gather("agree", bytes([rank]))
+        return first, second
+
+    results = _threads(3, body)
+    for kind, (first, second) in results:
+        assert kind == "ok" and first == [b"p0", b"p1", b"p2"] and second == [b"\0", b"\1", b"\2"]
+
+
+def test_an_exception_on_one_process_reaches_every_other_as_the_same_transfer_error():
+    def body(rank, comm):
+        with TransferGuard(comm, timeout=30, what="reconfigure") as guard:
+            guard.describe(f"process {rank} (old rank {rank})")
+            guard.phase("local copy")
+            if rank == 2:
+                raise KeyError("model/layers/0/mlp/fc1/weight")
+            guard.gather("confirm", b"")
+
+    start = time.monotonic()
+    results = _threads(4, body)
+    assert time.monotonic() - start < 10          # not the 30 s timeout: the error is published
+    messages = {str(exc) for kind, exc in results}
+    assert all(kind == "error" and isinstance(exc, TransferError) for kind, exc in results)
+    assert messages == {"reconfigure: process 2 (old rank 2) failed in phase 'local copy': "
+                        "KeyError: 'model/layers/0/mlp/fc1/weight'"}
+    assert isinstance(results[2][1].__cause__, KeyError)
+
+
+def test_a_process_that_never_joins_fails_the_others_after_the_timeout():
+    def body(rank, comm):
+        if rank == 1:
+            return "absent"
+        with TransferGuard(comm, timeout=0.5) as guard:
+            guard.gather("inputs", b"")
+
+    start = time.monotonic()
+    results = _threads(3, body)
+    assert 0.5 <= time.monotonic() - start < 20
+    errors = {str(exc) for kind, exc in results if kind == "error"}
+    assert len(errors) == 1 and "process 1 never joined: no heartbeat for 0.5 s" in errors.pop()
+
+
+def test_an_agreed_error_keeps_its_type_everywhere():
+    from tenplex.errors import PlanError
+
+    def body(rank, comm):
+        with TransferGuard(comm, timeout=5) as guard:
+            everyone = guard.gather("inputs", bytes([rank % 2]))
+            with guard.agreeing():
+                if len(set(everyone)) > 1:
+                    raise PlanError("the processes disagree")
+
+    results = _threads(3, body)
+    assert all(kind == "error" and type(exc) is PlanError for kind, exc in results)
+
+
+# -- byte streams ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_copy_bytes_moves_any_byte_range_of_a_strided_region(dtype):
+    base = torch.arange(7 * 9 * 11, dtype=torch.float32).reshape(7, 9, 11).to(dtype)
+    region = base[1:6, 2:8, 3:10]                 # strided on every axis
+    raw = region.contiguous().view(torch.uint8).reshape(-1)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a, b = sorted(rng.integers(0, raw.numel() + 1, size=2).tolist())
+        flat = torch.zeros(b - a, dtype=torch.uint8)
+        copy_bytes(region, a, b, flat, to_flat=True)
+        assert torch.equal(flat, raw[a:b])
+        target = torch.zeros_like(base)
+        view = target[1:6, 2:8, 3:10]
+        copy_bytes(view, a, b, flat, to_flat=False)
+        assert torch.equal(view.contiguous().view(torch.uint8).reshape(-1)[a:b], raw[a:b])
+
+
+def test_a_stream_cut_in_chunks_reassembles_bit_for_bit():
+    src = [torch.randn(13, 17)[:, 3:14], torch.randn(5).to(torch.bfloat16), torch.randn(4, 4)[::2]]
+    dst = [torch.zeros_like(t) for t in src]
+    nbytes = np.array([t.numel() * t.element_size() for t in src])
+    out = Stream([0, 1, 2], nbytes, 64, lambda r: src[r])
+    back = Stream([0, 1, 2], nbytes, 64, lambda r: dst[r])
+    for r in range(out.chunks):
+        buf = torch.empty(out.chunk_size(r), dtype=torch.uint8)
+        out.pack(r, buf)
+        back.unpack(r, buf)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(src, dst))
+
+
+def test_chunk_shares_follow_real_peers_not_the_world_size():
+    budget = 64 << 20
+    # 1024 processes, each sends to one peer only (a shift by one)
+    src = np.arange(1024)
+    shares = chunk_shares(src, (src + 1) % 1024, 1024, budget)
+    assert (shares == budget // 4).all()          # 2 streams each (one out, one in)
+    # one process that talks to 100 peers gets a smaller share; its peers keep theirs
+    shares = chunk_shares(np.zeros(100, int), np.arange(1, 101), 1024, budget)
+    assert shares[0] == budget // 200 // ALIGN * ALIGN and shares[1] == budget // 2
+    assert chunk_shares(np.zeros(1, int), np.ones(1, int), 2, 100)[0] == MIN_CHUNK
+
+
+# -- the executor's chunks at a large world size ------------------------------------------
+
+class SendOnly(Comm):
+    """Process 0 of a 64-process group; records the size of every buffer it sends."""
+
+    def __init__(self):
+        self.rank, self.size, self.sizes = 0, 64, []
+
+    def start(self, sends, recvs):
+        assert not recvs
+        self.sizes += [t.numel() * t.element_size() for _, t in sends]
+        return lambda: None
+
+
+def test_execute_distributed_chunks_follow_the_plans_peers_at_64_processes():
+    # 40 leaves of 200 KB each: below the direct-transfer size, so they are packed in chunks
+    tree = PTree({f"w{i}": TensorLeaf((50, 1000), "float32", Layout(Stage.of_layer(0)))
+                  for i in range(40)}, num_layers=1)
+    plan = make_plan(tree, P(), P())
+    local = {f"w{i}": torch.randn(50, 1000) for i in range(40)}
+    src_of = [0] + [None] * 63                    # process 0 holds the old rank ...
+    dst_of = [None, 0] + [None] * 62              # ... process 1 the new one: one peer each
+    comm = SendOnly()
+    budget = 8 << 20
+    execute_distributed(plan, tree, local, comm, src_of, dst_of, memory_budget=budget)
+    assert sum(comm.sizes) == 40 * 200_000
+    assert max(comm.sizes) == budget // 2         # not budget / (4 * 63) -> 64 KiB
