@@ -64,7 +64,7 @@ def test_legacy_megatron_lm_names_are_read(sources, tmp_path):
     import shutil
     from tenplex.ptree.config import ParallelConfig
     from tenplex_megatron.config import MegatronConfig
-    from tenplex_megatron.legacy import rank_keys
+    from tenplex_megatron.layouts import rank_keys
 
     source = sources("mha", 2, 1)
     legacy = tmp_path / "legacy-names"

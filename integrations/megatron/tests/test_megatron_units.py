@@ -1,6 +1,7 @@
 """Unit tests of the Megatron integration that need no megatron-core processes."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -8,9 +9,9 @@ import torch
 from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron.config import MegatronConfig, stage_layers, uneven_args
-from tenplex_megatron.layouts import megatron_tree, param_specs
-from tenplex_megatron.legacy import rank_keys
-from tenplex_megatron.rng import decode, derive, encode
+from tenplex_megatron.jsonable import from_jsonable, to_jsonable
+from tenplex_megatron.layouts import megatron_tree, param_specs, rank_keys
+from tenplex_megatron.rng import derive
 from tenplex_megatron.safe_load import safe_load
 
 CFG = MegatronConfig(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
@@ -85,8 +86,8 @@ def test_unsafe_pickles_are_refused(tmp_path):
 
 
 def test_rng_state_round_trips_through_json():
-    state = derive(1234, tp_rank=1, pp_rank=0)
-    back = decode(encode(state))
+    state = [derive(1234, tp_rank=1, pp_rank=0, kind="cpu")]
+    back = from_jsonable(json.loads(json.dumps(to_jsonable(state))))
     assert torch.equal(back[0]["torch_rng_state"], state[0]["torch_rng_state"])
     assert back[0]["random_rng_state"] == state[0]["random_rng_state"]
     assert (back[0]["np_rng_state"][1] == state[0]["np_rng_state"][1]).all()
