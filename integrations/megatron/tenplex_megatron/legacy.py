@@ -303,11 +303,11 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         elif kind == "distrib_optim":
             found, dtypes = distrib_optim_refs(cfg, config, sharding, t, p, opt_loaded[(t, p)][0],
                                                distrib[(t, p)])
-            if buffer_dtypes not in (None, dtypes):
+            if buffer_dtypes not in (None, list(dtypes)):
                 raise ManifestError(f"{distrib[(t, p)]}: buffer dtypes {dtypes} differ from another "
                                     f"rank's {buffer_dtypes}")
             refs.update(found)
-            buffer_dtypes = dtypes
+            buffer_dtypes = list(dtypes)
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
         "megatron/iteration": iteration,

@@ -39,7 +39,7 @@ __all__ = ["TRACKER_NAMES", "derive", "device_kind", "fill_states"]
 TRACKER_NAMES = ("data-parallel-rng", "model-parallel-rng", "expert-parallel-rng")
 """The tracker's stream names in megatron-core 0.16 (``tensor_parallel/random.py``)."""
 
-_CUDA_STATE_BYTES = 16
+_CPU_STATE_BYTES = torch.Generator().get_state().numel()
 
 
 def _device_state(seed: int, kind: str) -> torch.Tensor:
@@ -53,12 +53,13 @@ def device_kind(states: Any) -> str:
 
     ``states`` is any structure of rank RNG states (lists, dicts); the size of
     the first ``cuda_rng_state`` (or tracker state) found decides. Without
-    any, ``"cuda"`` (a GPU job).
+    any, ``"cuda"`` (a GPU job). Anything but a CPU generator's state size
+    (5056 bytes) counts as CUDA (16 bytes today, 816 before torch 2.1).
     """
     found = _first_device_state(states)
     if found is None:
         return "cuda"
-    return "cuda" if found.numel() == _CUDA_STATE_BYTES else "cpu"
+    return "cpu" if found.numel() == _CPU_STATE_BYTES else "cuda"
 
 
 def _first_device_state(obj: Any) -> torch.Tensor | None:
@@ -118,12 +119,14 @@ def fill_states(states: dict[str, Any], coords, dp: int, *, seed: int, dp_random
     """
     out, notes = {}, []
     length = dp if dp_random_init else 1
+    if not any(states.values()):
+        notes.append(f"rng: the source stores no RNG state; every rank's state is derived from seed {seed}")
     for t, p in coords:
         key = f"tp={t},pp={p}"
         kept = list(states.get(key) or [])
-        if not kept:
+        if not kept and any(states.values()):
             notes.append(f"rng: {key} is a new coordinate; its state is derived from seed {seed}")
-        elif len(kept) != length:
+        elif kept and len(kept) != length:
             notes.append(f"rng: {key} held {len(kept)} dp states, the target needs {length}; "
                          f"{'missing ones derived' if len(kept) < length else 'extra ones dropped'}")
         full = kept[:length] + [derive(seed, t, p, dp_rank=d, dp_random_init=dp_random_init, kind=kind)
