@@ -79,10 +79,12 @@ def _report(args, summary: dict, padding, notes) -> None:
         print(json.dumps({**summary, "padding": lines, "notes": list(notes)}))
         return
     gbps = (summary.get("bytes_read", 0) + summary.get("bytes_written", 0)) / max(summary["seconds"], 1e-9) / 1e9
-    print(f"resharded {summary['src']} -> {summary['dst']} ({summary['src_format']} -> {summary['format']}"
-          f"{', model-space items copied directly' if summary.get('direct') else ''}): read "
-          f"{size(summary.get('bytes_read', 0))}, wrote {size(summary.get('bytes_written', 0))} in "
-          f"{summary['seconds']:.2f} s ({gbps:.2f} GB/s)")
+    formats_ = "" if summary["src_format"] == summary["format"] == TENPLEX else \
+        f" ({summary['src_format']} -> {summary['format']}{', items copied directly' if summary.get('direct') else ''})"
+    needed = f" (needed {size(summary['bytes_needed'])})" if "bytes_needed" in summary else ""
+    print(f"resharded {summary['src']} -> {summary['dst']}{formats_}: read {size(summary.get('bytes_read', 0))}"
+          f"{needed}, wrote {size(summary.get('bytes_written', 0))} in {summary['seconds']:.2f} s "
+          f"({gbps:.2f} GB/s)")
 
 
 def reshard(args) -> int:
@@ -101,7 +103,7 @@ def reshard(args) -> int:
     if direct is not None and out_fmt == src_fmt:
         report = direct(args.src, args.dst, args.to, **_options(args))
         if report is not None:
-            summary = {**base, "src": src_fmt, "seconds": time.perf_counter() - start,
+            summary = {**base, "seconds": time.perf_counter() - start,
                        **{k: v for k, v in report.items() if k not in ("padding", "notes")}}
             _report(args, summary, report.get("padding", []), report.get("notes", []))
             return 0

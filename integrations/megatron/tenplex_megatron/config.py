@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from tenplex.errors import ConfigError
 
 __all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args", "stage_layers",
-           "uneven_args", "args_for"]
+           "uneven_args", "args_for", "check_vocab"]
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -267,3 +267,24 @@ def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
     out.padded_vocab_size = cfg.padded_vocab(config.tp)
     vars(out).update(uneven_args(config.stage_layers))
     return out
+
+
+def check_vocab(cfg: MegatronConfig, args: Any, tp: int, rows: int | None, where: str) -> None:
+    """The stored (padded) vocabulary rows must be the model config's padding at the saver's ``tp``.
+
+    Raises:
+        ConfigError: if the args' ``vocab_size`` differs from the model config's,
+            or ``rows`` is not ``cfg.padded_vocab(tp)``: tenplex neither truncates
+            nor invents vocabulary rows.
+    """
+    a = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    stored = a.get("vocab_size")
+    if stored and stored != cfg.vocab_size:
+        raise ConfigError(f"{where}: the args say vocab_size={stored}, the model config says "
+                          f"{cfg.vocab_size}; tenplex neither truncates nor invents vocabulary rows")
+    padded = cfg.padded_vocab(tp)
+    if rows is not None and rows != padded:
+        raise ConfigError(f"{where}: the checkpoint stores {rows} vocabulary rows, but vocab_size="
+                          f"{cfg.vocab_size} pads to {padded} at tp={tp} (make_vocab_size_divisible_by="
+                          f"{cfg.make_vocab_size_divisible_by}); give the tokenizer's vocabulary size "
+                          "with --model-config")

@@ -28,7 +28,7 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
 
-from tenplex_megatron.config import MegatronConfig, args_to_json, stage_layers
+from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab, stage_layers
 from tenplex_megatron.dcp_keys import (DP_OBJECTS, EXTRA_KEY, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
                                        expected_tensors, flat_key, object_key)
 from tenplex_megatron.dcp_safe import SafeReader, read_objects
@@ -113,7 +113,18 @@ def _grid(cfg, args, md, optim, where) -> tuple[int, int]:
         return _buffer_grid(cfg, md, where)
     rows = md.state_dict_metadata["embedding.word_embeddings.weight"].size[0] \
         if "embedding.word_embeddings.weight" in md.state_dict_metadata else None
-    return next((t for t in (1, 2, 4, 8, 16, 32, 64) if cfg.padded_vocab(t) == rows), 1), 1
+    tree = megatron_tree(cfg)
+    for t in (1, 2, 4, 8, 16, 32, 64):
+        if rows is None or cfg.padded_vocab(t) == rows:
+            try:
+                tree.validate(ParallelConfig(tp=t))
+            except ConfigError:
+                continue
+            return t, 1
+    raise ConfigError(f"{where}: the checkpoint stores {rows} vocabulary rows, but vocab_size="
+                      f"{cfg.vocab_size} (make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}) "
+                      "pads to that at no tp this model allows; tenplex neither truncates nor invents "
+                      "vocabulary rows: give the tokenizer's vocabulary size with --model-config")
 
 
 def _buffer_grid(cfg, md, where) -> tuple[int, int]:
@@ -135,20 +146,6 @@ def _buffer_grid(cfg, md, where) -> tuple[int, int]:
         raise ConfigError(f"{where}: cannot tell the saver's tp and pp from {groups} optimizer buffer "
                           f"groups ({len(matches)} candidates); the checkpoint has no args")
     return matches[0]
-
-
-def _check_vocab(cfg: MegatronConfig, args, config: ParallelConfig, rows: int | None, where: str) -> None:
-    """The stored (padded) vocabulary rows must be the model config's padding at the saver's tp."""
-    stored_vocab = getattr(args, "vocab_size", None)
-    if stored_vocab and stored_vocab != cfg.vocab_size:
-        raise ConfigError(f"{where}: the args say vocab_size={stored_vocab}, the model config says "
-                          f"{cfg.vocab_size}; tenplex neither truncates nor invents vocabulary rows")
-    padded = cfg.padded_vocab(config.tp)
-    if rows is not None and rows != padded:
-        raise ConfigError(f"{where}: the checkpoint stores {rows} vocabulary rows, but vocab_size="
-                          f"{cfg.vocab_size} pads to {padded} at tp={config.tp} "
-                          f"(make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}); "
-                          "give the tokenizer's vocabulary size with --model-config")
 
 
 def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | None:
@@ -249,7 +246,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     tp, pp = _grid(cfg, args, md, optim, root)
     config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
-    _check_vocab(cfg, args, config, emb.size[0] if emb is not None else None, root)
+    check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
     dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")

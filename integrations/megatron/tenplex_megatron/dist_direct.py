@@ -42,7 +42,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
     """Reshard a ``torch_dist`` directory to ``to`` directly, or return None if it needs the planner.
 
     Returns:
-        ``{"bytes_read", "bytes_written", "files", "padding", "notes", "direct": True}``.
+        ``{"src", "bytes_read", "bytes_written", "files", "padding", "notes", "direct": True}``.
 
     Raises:
         ConfigError: ``to`` cannot hold the model.
@@ -81,7 +81,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     padding = [PaddingChange(path, 0, cfg.vocab_size, old, new) for path in vocab.values()] if old != new else []
-    return {"bytes_read": source.bytes_read, "bytes_written": writer.bytes_written,
+    return {"src": str(source.config), "bytes_read": source.bytes_read, "bytes_written": writer.bytes_written,
             "files": len(by_file), "padding": padding, "notes": values.notes, "direct": True}
 
 

@@ -34,7 +34,7 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
 
-from tenplex_megatron.config import MegatronConfig, args_to_json, stage_layers
+from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab, stage_layers
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import distrib_optim_refs
 from tenplex_megatron.jsonable import to_jsonable
@@ -227,6 +227,14 @@ def _extra(files: dict, iter_dir: str) -> dict:
     return out
 
 
+def _vocab_rows(cfg, config, first_stage: dict) -> int | None:
+    """The padded vocabulary rows the files hold: tp x the first stage's embedding rows."""
+    keys = rank_keys(cfg, config, 0).get("model/embedding/word_embeddings/weight", [])
+    model = _flatten(dict(first_stage.get("model") or {}))
+    ref = next((model[k] for k in keys if k in model), None)
+    return ref.shape[0] * config.tp if isinstance(ref, TensorRef) and ref.shape else None
+
+
 def _load(path: str) -> tuple[Any, int]:
     obj, n = load_refs(path)
     if not isinstance(obj, dict):
@@ -284,6 +292,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     tp, pp = _grid(args, dirs, iter_dir)
     cfg = MegatronConfig.from_args(args, model_config)
     config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
+    check_vocab(cfg, args, tp, _vocab_rows(cfg, config, files[(0, 0)]), iter_dir)
     if distrib and len(distrib) != len(dirs):
         raise ManifestError(f"{iter_dir}: distrib_optim.pt is in {len(distrib)} of {len(dirs)} "
                             "rank directories")

@@ -33,7 +33,7 @@ from tenplex.errors import ManifestError
 
 from tenplex_megatron.safe_load import ALLOWED
 
-__all__ = ["TensorRef", "load_refs", "read_runs", "GAP"]
+__all__ = ["TensorRef", "Window", "load_refs", "read_runs", "GAP"]
 
 GAP = 1 << 18
 """Byte runs closer than this (256 KiB) are read in one request."""
@@ -135,7 +135,7 @@ def read_runs(file: str, offset: int, starts: np.ndarray, ends: np.ndarray, out:
     return total
 
 
-class _Window(io.RawIOBase):
+class Window(io.RawIOBase):
     """Bytes ``[start, start + length)`` of a file as a seekable, read-only stream; counts bytes read."""
 
     def __init__(self, path: str, start: int = 0, length: int | None = None):
@@ -215,7 +215,7 @@ def load_refs(path: str, start: int = 0, length: int | None = None, what: str | 
     """
     what = what or (path if not start and length is None else f"{path} [bytes {start}..]")
     try:
-        window = _Window(path, start, length)
+        window = Window(path, start, length)
     except FileNotFoundError:
         raise ManifestError(f"{path}: the file is missing") from None
     with window:

@@ -1,11 +1,11 @@
 """``tenplex verify`` for Megatron checkpoints: what is on disk, checked without loading it into memory.
 
 Both formats are first described with every check the readers make (safe
-unpickling, every key known, every shape and dtype the model config's,
-tied copies equal). Then every stored ``torch.save`` archive (a legacy
-``.pt`` file, or a DCP item inside a ``.distcp`` file) is read in full and
-each of its records checked against the CRC-32 the archive stores, files in
-parallel. For ``torch_dist`` the DCP metadata must also be complete: every
+unpickling, every key known, every shape and dtype the model config's).
+Then every stored ``torch.save`` archive (a legacy ``.pt`` file, or a DCP
+item inside a ``.distcp`` file) is read in full and each of its records
+checked against the CRC-32 the archive stores, files in parallel; then the
+tied embedding's copies are compared. For ``torch_dist`` the DCP metadata must also be complete: every
 item has a byte range inside its file, and the chunks of every tensor tile
 it exactly. With ``checksums``, an xxh3-128 digest of every file is
 returned too, for a later comparison.
@@ -25,9 +25,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from tenplex.errors import CorruptShardError, ManifestError
 from tenplex.ptree.region import Box, intersect
 
-from tenplex_megatron.dcp_source import chunk_path, open_dist
-from tenplex_megatron.legacy import open_legacy
-from tenplex_megatron.ptfile import _Window
+from tenplex_megatron.dcp_read import describe_dist
+from tenplex_megatron.dcp_source import DistSource, chunk_path
+from tenplex_megatron.legacy import LegacySource, describe_legacy
+from tenplex_megatron.ptfile import Window
+from tenplex_megatron.tied import check_tied
 
 __all__ = ["verify_legacy", "verify_dist"]
 
@@ -38,7 +40,7 @@ def _crc(path: str, start: int = 0, length: int | None = None, what: str | None 
     """Read a ``torch.save`` archive (or one inside a file) in full and check every record's CRC-32."""
     what = what or path
     try:
-        with _Window(path, start, length) as window, zipfile.ZipFile(window) as archive:
+        with Window(path, start, length) as window, zipfile.ZipFile(window) as archive:
             bad = archive.testzip()
             size = window.length
     except FileNotFoundError:
@@ -82,10 +84,11 @@ def verify_legacy(root: str, model_config: dict | None = None, *, checksums: boo
             not fit the model (see :func:`tenplex_megatron.legacy.describe_legacy`).
         CorruptShardError: a record whose CRC-32 fails, or a truncated file.
     """
-    source = open_legacy(root, model_config, threads)
+    source = LegacySource(describe_legacy(root, model_config, threads))
     files = sorted({ref.file for ref in source.refs.values()})
     jobs = [((lambda f=f: _crc(f)), os.path.getsize(f)) for f in files]
     nbytes = _run(jobs, threads, progress)
+    check_tied(source)
     sums = None
     if checksums:
         with ThreadPoolExecutor(max(1, threads)) as pool:
@@ -126,7 +129,7 @@ def verify_dist(root: str, model_config: dict | None = None, *, checksums: bool 
             also incomplete metadata or a byte range outside its file.
         CorruptShardError: an item whose CRC-32 fails, or a missing or truncated file.
     """
-    source = open_dist(root, model_config)
+    source = DistSource(describe_dist(root, model_config))
     md, jobs, sizes = source.md, [], {}
     for key, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
@@ -154,6 +157,8 @@ def verify_dist(root: str, model_config: dict | None = None, *, checksums: bool 
             for chunk in item.chunks:
                 source.chunk_ref(key, Box(tuple(chunk.offsets), tuple(chunk.sizes)), item.properties.dtype)
     nbytes = _run(jobs, threads, progress)
+    source.check_objects()
+    check_tied(source)
     files = sorted(sizes)
     sums = None
     if checksums:
