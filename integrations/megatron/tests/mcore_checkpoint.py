@@ -185,7 +185,7 @@ class CheckpointMixin:
 
         torch = self.torch
         state = states[self.dp_rank] if len(states) > 1 else states[0]
-        print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank} {rng_digest(state)}", flush=True)
+        print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank} {rng_digest(state)}\n", end="", flush=True)
         random.setstate(state["random_rng_state"])
         np.random.set_state(state["np_rng_state"])
         torch.set_rng_state(state["torch_rng_state"])
@@ -229,8 +229,8 @@ class CheckpointMixin:
         if self.a.save_rng:
             sd["rng_state"] = self.rng_object()
             if self.dp_rank == 0:
-                print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp=0 {rng_digest(self.rng_state()[0])}",
-                      flush=True)
+                print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp=0 {rng_digest(self.rng_state()[0])}\n",
+                      end="", flush=True)
         if self.a.dist_args == "on":  # Megatron-LM's generate_state_dict puts these in common.pt
             sd["args"] = self.megatron_args()
             sd["checkpoint_version"] = 3.0

@@ -47,13 +47,11 @@ def tenplex(*args: str) -> subprocess.CompletedProcess:
 
 def rng_lines(output: str) -> dict[tuple[int, int], str]:
     """``{(tp, pp): digest}`` from the worker's ``RNG tp=T pp=P dp=D <digest>`` lines (dp 0)."""
-    out = {}
-    for line in output.splitlines():
-        if line.startswith("RNG tp="):
-            _, tp, pp, dp, digest = line.split()
-            if dp == "dp=0":
-                out[(int(tp[3:]), int(pp[3:]))] = digest
-    return out
+    import re
+
+    # ranks print concurrently, so lines may run together: match the records, not the lines
+    found = re.findall(r"RNG tp=(\d+) pp=(\d+) dp=(\d+) ([0-9a-f]{16})", output)
+    return {(int(tp), int(pp)): digest for tp, pp, dp, digest in found if dp == "0"}
 
 
 def losses(output: str) -> list[float]:

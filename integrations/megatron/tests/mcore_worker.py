@@ -210,6 +210,8 @@ class Worker(CheckpointMixin):
             share_embeddings_and_output_weights=not a.untie,
             position_embedding_type=a.position,
         )
+        if a.bf16:  # Megatron-LM's Float16Module converts the whole model, norms included
+            self.model.bfloat16()
         self.ddp = None
         self.optimizer = None
         self.scheduler = None
