@@ -7,6 +7,7 @@ usage errors exit 2.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import traceback
 
@@ -74,11 +75,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _return_freed_memory() -> None:
+    """Ask glibc to serve buffers of 1 MiB or more with ``mmap``, so freed tensors go back to the OS.
+
+    glibc's default threshold rises (up to 32 MiB) as large buffers are freed, after which
+    they come from the heap, which keeps what it once held: a conversion's memory would
+    follow the most it ever held rather than what it holds. ``mallopt(M_MMAP_THRESHOLD)``
+    fixes the threshold; nothing happens off glibc.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from tenplex.cli import commands
 
+    _return_freed_memory()
     try:
         if getattr(args, "tenplex_command", None) is not None:
             return args.tenplex_command.run(args) or 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tenplex.errors import ManifestError
 from tenplex.ptree.config import Coord
-from tenplex.ptree.region import Box, flat_start, intersect, relative, to_slices
+from tenplex.ptree.region import Box, flat_start, intersect, is_contiguous, relative, to_slices
 from tenplex.ptree.sharding import Piece
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import torch_dtype
@@ -32,7 +33,7 @@ from tenplex_megatron.dcp_safe import read_objects
 from tenplex_megatron.flatbuf import buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
 from tenplex_megatron.layouts import spec_of
-from tenplex_megatron.ptfile import TensorRef, load_refs
+from tenplex_megatron.ptfile import TensorRef, load_refs, read_runs
 from tenplex_megatron.source import MegatronSource
 from tenplex_megatron.tied import check_tied
 
@@ -150,9 +151,7 @@ class DistSource(MegatronSource):
                 if runs is not None and not _overlaps(piece, local, itemsize, runs):
                     continue
                 ref = self._chunk_ref(rec.key, i, chunk, rec.dtype)
-                data, n = _read_box(ref, relative(inter, chunk), chunk.sizes)
-                total += n
-                piece_view(out, piece)[to_slices(local)].copy_(data.reshape(local.sizes))
+                total += _fill(out, piece, local, ref, relative(inter, chunk), chunk.sizes)
         return out, total
 
     def chunk_ref(self, key: str, box: Box, dtype: torch.dtype) -> TensorRef:
@@ -228,6 +227,24 @@ def _overlaps(piece: Piece, local: Box, itemsize: int, runs) -> bool:
     hi = (piece.offset + flat_start(Box(last, (1,) * len(last)), piece.view) + 1) * itemsize
     starts, ends = runs
     return bool(np.any((starts < hi) & (ends > lo)))
+
+
+def _fill(out: torch.Tensor, piece: Piece, local: Box, ref: TensorRef, box: Box, sizes) -> int:
+    """Copy elements ``box`` of a stored chunk into ``local`` of ``piece`` in ``out``; the bytes read.
+
+    Where both are one contiguous run, the bytes are read straight into ``out``.
+    """
+    where = Box(tuple(a + b for a, b in zip(piece.local.offsets, local.offsets)), local.sizes)
+    if is_contiguous(where, piece.view) and is_contiguous(box, sizes):
+        isz = ref.dtype.itemsize
+        start = (piece.offset + flat_start(where, piece.view)) * isz
+        n = prod(local.sizes) * isz
+        base = ref.offset + flat_start(box, sizes) * isz - start
+        raw = out.view(-1).view(torch.uint8).numpy()
+        return read_runs(ref.file, base, np.array([start]), np.array([start + n]), raw)
+    data, n = _read_box(ref, box, sizes)
+    piece_view(out, piece)[to_slices(local)].copy_(data.reshape(local.sizes))
+    return n
 
 
 def _read_box(ref: TensorRef, box: Box, sizes: tuple[int, ...]) -> tuple[torch.Tensor, int]:

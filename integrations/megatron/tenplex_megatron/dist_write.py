@@ -29,7 +29,7 @@ from tenplex_megatron.common import TargetValues
 from tenplex_megatron.config import MegatronConfig
 from tenplex_megatron.dcp_keys import flat_key, object_key, rng_key
 from tenplex_megatron.dcp_write import DcpWriter
-from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_dtypes, buffer_layout, dtype_key, flat_buffers
+from tenplex_megatron.flatbuf import buffer_dtypes, buffer_layout, dtype_key, flat_buffers
 from tenplex_megatron.layouts import EXTRA_STATE_LINEARS, OPTIMIZER_STATES, spec_of
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
@@ -169,10 +169,11 @@ def _write_buffers(build, cfg, writer, t, p, rank, dtypes, values) -> None:
     to = build.to
     m = t + to.tp * p
     layout = buffer_layout(cfg, to, p, to.dp)
-    for b, flats in enumerate(flat_buffers(cfg, to, p, lambda q: build.leaf(q, rank))):
+    flats, buckets = flat_buffers(cfg, to, p, lambda jobs: build.fill(rank, jobs))
+    for b, (offset, numel) in enumerate(buckets):
         for state in OPTIMIZER_STATES:
-            flat = flats[state]
-            writer.tensor(flat_key(m, b, state, dtypes), (flat.numel(),), (0,), flat.to(FLAT_DTYPE))
+            writer.tensor(flat_key(m, b, state, dtypes), (numel,), (0,), flats[state][offset:offset + numel])
+    del flats
     key = dtype_key(dtypes)
     objects = {"optimizer": {"param_groups": values.param_groups()},
                "per_bucket_numel": [{key: [padded for _, _, padded in layout]}],

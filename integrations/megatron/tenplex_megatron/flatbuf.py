@@ -141,27 +141,41 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
 
 
 def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
-                 local: Callable[[str], torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """The unpadded buckets of rank (t, ``p``)'s buffer, built from its optimizer leaves.
+                 fill: Callable[[list[tuple[str, torch.Tensor]]], None]
+                 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+    """Rank (t, ``p``)'s buffer, unpadded buckets coalesced, built from its optimizer leaves.
 
     Args:
-        local: ``local(optimizer leaf path) -> tp-local tensor`` (float32).
+        fill: ``fill([(optimizer leaf path, out), ...])`` copies each leaf's
+            tp-local tensor (float32) into its flat view ``out`` (disjoint views,
+            so they may be filled in parallel).
 
     Returns:
-        One ``{state: flat float32 tensor}`` per bucket (gaps are zero).
+        ``({state: flat float32 tensor}, [(bucket offset, bucket numel)])``: one
+        tensor per state holds every bucket, gaps zero (so a bucket is a view).
     """
-    out = []
-    for entries, unpadded, _ in buffer_layout(cfg, config, p, config.dp):
-        flats = {s: torch.zeros(unpadded, dtype=FLAT_DTYPE) for s in OPTIMIZER_STATES}
+    layout = buffer_layout(cfg, config, p, config.dp)
+    total = sum(n for _, n, _ in layout)
+    flats = {s: torch.empty(total, dtype=FLAT_DTYPE) for s in OPTIMIZER_STATES}
+    buckets, jobs, covered, offset = [], [], [], 0
+    for entries, unpadded, _ in layout:
         for spec, start, numel in entries:
-            for state, flat in flats.items():
-                flat[start:start + numel] = local(optimizer_path(state, spec.path)).reshape(-1)
-        out.append(flats)
-    return out
+            at = offset + start
+            covered.append((at, at + numel))
+            jobs.extend((optimizer_path(state, spec.path), flat[at:at + numel]) for state, flat in flats.items())
+        buckets.append((offset, unpadded))
+        offset += unpadded
+    position = 0
+    for lo, hi in sorted(covered) + [(total, total)]:  # alignment gaps are zero, as megatron-core's
+        for flat in flats.values():
+            flat[position:lo].zero_()
+        position = max(position, hi)
+    fill(jobs)
+    return flats, buckets
 
 
-def distrib_optim_state(buckets: list[dict[str, torch.Tensor]], dtypes) -> dict:
-    """``distrib_optim.pt`` content for one rank: its buckets coalesced, unpadded."""
-    flats = {s: torch.cat([b[s] for b in buckets]) for s in OPTIMIZER_STATES}
+def distrib_optim_state(flats: dict[str, torch.Tensor], dtypes) -> dict:
+    """``distrib_optim.pt`` content for one rank: its buckets coalesced, unpadded
+    (megatron-core's ``save_parameter_state`` with ``buckets_coalesced``)."""
     total = flats[OPTIMIZER_STATES[0]].numel()
     return {"buckets_coalesced": True, 0: {dtype_key(dtypes): {**flats, "numel_unpadded": total}}}

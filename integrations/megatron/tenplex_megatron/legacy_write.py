@@ -86,10 +86,10 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8) -> dic
                     written += _write_rank(build, cfg, values, rng_states, optimizer, t, p, rank, d)
                     files += 1
                     if optimizer == "distrib_optim":
-                        buckets = flat_buffers(cfg, to, p, lambda q: build.leaf(q, rank))
-                        written += _save(distrib_optim_state(buckets, dtypes), os.path.join(d, "distrib_optim.pt"))
+                        flats, _ = flat_buffers(cfg, to, p, lambda jobs: build.fill(rank, jobs))
+                        written += _save(distrib_optim_state(flats, dtypes), os.path.join(d, "distrib_optim.pt"))
                         files += 1
-                        del buckets
+                        del flats
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -9,8 +9,9 @@ a tenplex store, or a Megatron checkpoint read in place.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -21,7 +22,10 @@ from tenplex.transform.planner import make_plan
 
 from tenplex_megatron.config import MegatronConfig
 
-__all__ = ["TargetBuilder", "megatron_meta"]
+__all__ = ["TargetBuilder", "megatron_meta", "BUDGET"]
+
+BUDGET = 64 << 20
+"""Bytes of target tensors a builder works on at once (64 MiB)."""
 
 
 def megatron_meta(source) -> tuple[MegatronConfig, dict]:
@@ -53,6 +57,9 @@ class TargetBuilder:
         source: the shard source.
         to: the target config.
         threads: leaves built (and stored tensors read) at once.
+        budget: bytes of target tensors built ahead at once (default :data:`BUDGET`);
+            each also holds the source bytes it is built from, so the transient
+            memory is a small multiple of it.
 
     Attributes:
         plan: the plan.
@@ -63,8 +70,8 @@ class TargetBuilder:
         ConfigError: ``to`` cannot hold the tree.
     """
 
-    def __init__(self, source, to: ParallelConfig, threads: int = 8):
-        self.source, self.to, self.threads = source, to, max(1, threads)
+    def __init__(self, source, to: ParallelConfig, threads: int = 8, budget: int = BUDGET):
+        self.source, self.to, self.threads, self.budget = source, to, max(1, threads), budget
         self.tree = source.tree
         self.plan = make_plan(self.tree, source.config, to)
         self.runner = StorePlanRunner(source, self.plan, self.threads)
@@ -94,17 +101,50 @@ class TargetBuilder:
             raise ManifestError(f"target rank {rank} holds no part of {path}")
         return _whole(got[rank], self.runner.D.holding(path, self.to.coord(rank)).shape)
 
-    def stream(self, rank: int, paths: Iterable[str], ahead: int | None = None
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(path, local tensor)`` for ``paths`` in order; up to ``ahead`` leaves built in advance."""
+    def leaf_into(self, path: str, rank: int, out: torch.Tensor) -> None:
+        """Copy target ``rank``'s local tensor of ``path`` into the flat view ``out`` (no joined copy)."""
+        got = self.runner.leaf(path, [rank])
+        if rank not in got:
+            raise ManifestError(f"target rank {rank} holds no part of {path}")
+        parts = got[rank] if isinstance(got[rank], (list, tuple)) else [got[rank]]
+        position = 0
+        for part in parts:
+            n = part.numel()
+            out[position:position + n].copy_(part.reshape(-1))
+            position += n
+        if position != out.numel():
+            raise ManifestError(f"{path}: target rank {rank}'s tensor has {position} elements, the "
+                                f"buffer slot {out.numel()}")
+
+    def fill(self, rank: int, jobs: list[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`leaf_into` for every ``(path, out)`` of ``jobs``, in parallel within the byte budget."""
+        work = [(out.numel() * out.element_size(), lambda p=path, o=out: self.leaf_into(p, rank, o))
+                for path, out in jobs]
+        for _ in self._bounded(work):
+            pass
+
+    def stream(self, rank: int, paths: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(path, local tensor)`` for ``paths`` in order, built ahead within the byte budget."""
         paths = list(paths)
-        ahead = self.threads if ahead is None else max(1, ahead)
-        futures = {}
-        for i, path in enumerate(paths):
-            for j in range(i, min(len(paths), i + ahead)):
-                if j not in futures:
-                    futures[j] = self._pool.submit(self.leaf, paths[j], rank)
-            yield path, futures.pop(i).result()
+        coord = self.to.coord(rank)
+        work = [(self.runner.D.holding(p, coord).numel * self.tree[p].itemsize,
+                 lambda p=p: self.leaf(p, rank)) for p in paths]
+        yield from zip(paths, self._bounded(work))
+
+    def _bounded(self, work: list[tuple[int, Callable]]) -> Iterator:
+        """Results of ``work`` (``(bytes, fn)``) in order; the jobs in flight hold at most
+        ``budget`` bytes of target tensors (a larger job runs alone)."""
+        pending: deque = deque()
+        held = 0
+        for nbytes, fn in work:
+            while pending and held + nbytes > self.budget:
+                size, future = pending.popleft()
+                held -= size
+                yield future.result()
+            pending.append((nbytes, self._pool.submit(fn)))
+            held += nbytes
+        while pending:
+            yield pending.popleft()[1].result()
 
     def rank(self, rank: int, prefix: str = "") -> dict[str, torch.Tensor]:
         """Every local tensor of target ``rank`` under ``prefix``."""
