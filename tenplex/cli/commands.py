@@ -119,7 +119,8 @@ def reshard(args) -> int:
         with _Bar("reshard") as bar:
             report = write_store(source, args.dst, args.to, threads=args.threads, progress=bar)
     else:
-        report = plugins[out_fmt].write(source, args.dst, args.to, **_options(args))
+        with _Bar("reshard") as bar:
+            report = plugins[out_fmt].write(source, args.dst, args.to, **_options(args), progress=bar)
     summary = {**base, "src": str(source.config), "bytes_read": source.bytes_read,
                "bytes_written": report["bytes_written"], "seconds": time.perf_counter() - start}
     _report(args, summary, report.get("padding", []), report.get("notes", []))

@@ -86,7 +86,7 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
     return common
 
 
-def write_dist(source, path: str, to: ParallelConfig, threads: int = 8) -> dict:
+def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
     """Write ``source`` laid out for ``to`` as a ``torch_dist`` directory at ``path``, atomically.
 
     Args:
@@ -94,6 +94,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8) -> dict:
         path: the directory to create; it must not exist.
         to: the target config (its dp sizes nothing on disk: tensors are global).
         threads: leaves built at once.
+        progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
 
     Returns:
         ``{"bytes_written", "files", "padding", "notes"}``.
@@ -107,7 +108,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8) -> dict:
     has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
     optim = None if not has_optim else (
         "dp_reshardable" if meta.get("optimizer") == "dp_reshardable" else "fully_reshardable")
-    with TargetBuilder(source, to, threads) as build:
+    with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}

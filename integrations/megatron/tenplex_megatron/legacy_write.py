@@ -45,7 +45,7 @@ def legacy_optimizer(meta: dict, args) -> str | None:
     return "adam"
 
 
-def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8) -> dict:
+def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
     """Write ``source`` laid out for ``to`` as a Megatron-LM per-rank checkpoint at ``root``.
 
     Args:
@@ -54,6 +54,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8) -> dic
         root: the checkpoint root; its iteration directory must not exist.
         to: the target config.
         threads: leaves built at once.
+        progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
 
     Returns:
         ``{"bytes_written", "files", "padding", "notes"}``.
@@ -64,7 +65,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8) -> dic
         ManifestError: the source is not a Megatron model, or a bad source.
     """
     cfg, meta = megatron_meta(source)
-    with TargetBuilder(source, to, threads) as build:
+    with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
         name = iteration_dir_name(values.iteration)
         final = os.path.join(root, name)

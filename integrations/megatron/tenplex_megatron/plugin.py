@@ -56,7 +56,7 @@ class _Legacy:
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
-        return write_legacy(source, path, to, options.get("threads", 8))
+        return write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
 
     @staticmethod
     def verify(path: str, **options) -> dict:
@@ -83,7 +83,7 @@ class _Dist:
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
-        return write_dist(source, path, to, options.get("threads", 8))
+        return write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
 
     @staticmethod
     def reshard(src: str, dst: str, to: ParallelConfig, **options) -> dict | None:

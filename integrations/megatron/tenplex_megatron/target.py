@@ -9,6 +9,7 @@ a tenplex store, or a Megatron checkpoint read in place.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
@@ -57,6 +58,8 @@ class TargetBuilder:
         source: the shard source.
         to: the target config.
         threads: leaves built (and stored tensors read) at once.
+        progress: ``progress(done_bytes, total_bytes)`` of target tensors built
+            (the total counts every dp-0 rank's leaves).
         budget: bytes of target tensors built ahead at once (default :data:`BUDGET`);
             each also holds the source bytes it is built from, so the transient
             memory is a small multiple of it.
@@ -70,17 +73,31 @@ class TargetBuilder:
         ConfigError: ``to`` cannot hold the tree.
     """
 
-    def __init__(self, source, to: ParallelConfig, threads: int = 8, budget: int = BUDGET):
+    def __init__(self, source, to: ParallelConfig, threads: int = 8, budget: int = BUDGET,
+                 progress: Callable[[int, int], None] | None = None):
         self.source, self.to, self.threads, self.budget = source, to, max(1, threads), budget
         self.tree = source.tree
         self.plan = make_plan(self.tree, source.config, to)
         self.runner = StorePlanRunner(source, self.plan, self.threads)
         self.values = target_values(self.tree, self.plan, source)
         self._pool = ThreadPoolExecutor(self.threads)
+        self.progress, self.built, self._lock = progress, 0, threading.Lock()
+        D = self.runner.D
+        self.total = sum(h.numel * leaf.itemsize for r in range(to.world_size) if to.coord(r).dp == 0
+                         for p, leaf in self.tree.tensors()
+                         if (h := D.holding(p, to.coord(r))) is not None) if progress else 0
 
     def close(self) -> None:
         self.runner.close()
         self._pool.shutdown()
+        if self.progress:
+            self.progress(self.total, self.total)
+
+    def _count(self, nbytes: int) -> None:
+        if self.progress:
+            with self._lock:
+                self.built += nbytes
+                self.progress(min(self.built, self.total), self.total)
 
     def __enter__(self) -> "TargetBuilder":
         return self
@@ -99,7 +116,9 @@ class TargetBuilder:
         got = self.runner.leaf(path, [rank])
         if rank not in got:
             raise ManifestError(f"target rank {rank} holds no part of {path}")
-        return _whole(got[rank], self.runner.D.holding(path, self.to.coord(rank)).shape)
+        out = _whole(got[rank], self.runner.D.holding(path, self.to.coord(rank)).shape)
+        self._count(out.numel() * out.element_size())
+        return out
 
     def leaf_into(self, path: str, rank: int, out: torch.Tensor) -> None:
         """Copy target ``rank``'s local tensor of ``path`` into the flat view ``out`` (no joined copy)."""
@@ -115,6 +134,7 @@ class TargetBuilder:
         if position != out.numel():
             raise ManifestError(f"{path}: target rank {rank}'s tensor has {position} elements, the "
                                 f"buffer slot {out.numel()}")
+        self._count(out.numel() * out.element_size())
 
     def fill(self, rank: int, jobs: list[tuple[str, torch.Tensor]]) -> None:
         """:meth:`leaf_into` for every ``(path, out)`` of ``jobs``, in parallel within the byte budget."""
