@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -217,11 +217,18 @@ def rng_coords(md) -> dict[str, str]:
     return out
 
 
-class FoundDist:
-    """What :func:`describe_dist` found: the description, DCP's metadata and the bytes read."""
+class FoundDist(NamedTuple):
+    """What :func:`describe_dist` found.
 
-    def __init__(self, desc: Description, md, bytes_read: int):
-        self.desc, self.md, self.bytes_read = desc, md, bytes_read
+    Attributes:
+        desc: the description.
+        md: DCP's ``Metadata`` (read with the allow-listed unpickler).
+        bytes_read: bytes read to describe it.
+    """
+
+    desc: Description
+    md: Any
+    bytes_read: int
 
 
 def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
