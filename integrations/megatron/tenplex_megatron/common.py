@@ -60,3 +60,8 @@ class TargetValues:
 
     def step(self) -> Any:
         return (self.optimizer or {}).get("step")
+
+    def grad_scaler(self) -> dict:
+        """``{"grad_scaler": state}`` when the source's optimizer had one (fp16), else ``{}``."""
+        scaler = (self.optimizer or {}).get("grad_scaler")
+        return {} if scaler is None else {"grad_scaler": scaler}

@@ -258,7 +258,11 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
-    groups: Any = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups", [])
+    optimizer = common.get("optimizer") or {}
+    unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"})
+    if unknown:
+        raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
+    groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
     if optim == "dp_reshardable":
         key = object_key(0, "optimizer")
         obj = read_objects(root, md, key).get(key) if key in md.state_dict_metadata else None
@@ -270,7 +274,8 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),
         "megatron/optimizer": None if optim is None else
-        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": None},
+        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": None,
+         "grad_scaler": to_jsonable(optimizer.get("grad_scaler"), "grad_scaler")},
         "megatron/num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far"),
         "megatron/rng_state": sorted(rng_coords(md)),
         "megatron/extra": extra or None,

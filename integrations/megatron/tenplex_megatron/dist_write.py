@@ -74,9 +74,9 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
         common["opt_param_scheduler"] = values.scheduler
     if optim == "fully_reshardable":
         common["optimizer"] = {"optimizer": {"param_groups": values.param_groups()},
-                               "param_state_sharding_type": "fully_reshardable"}
+                               "param_state_sharding_type": "fully_reshardable", **values.grad_scaler()}
     elif optim == "dp_reshardable":
-        common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+        common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", **values.grad_scaler()}
     if values.values.get("megatron/args"):
         common["args"] = values.args
         common["checkpoint_version"] = values.checkpoint_version

@@ -203,11 +203,26 @@ def _steps(optim: dict) -> list[Any]:
     return [st["step"] for st in (inner.get("state") or {}).values() if "step" in st]
 
 
-def _optimizer_groups(optim: Any) -> list | None:
-    if not isinstance(optim, dict):
-        return None
-    inner = optim.get("optimizer", optim) if isinstance(optim.get("optimizer"), dict) else optim
-    return [{k: v for k, v in g.items() if k != "params"} for g in inner.get("param_groups", [])]
+_OPTIMIZER_KEYS = {"state", "param_groups", "optimizer", "fp32_from_fp16_params", "grad_scaler"}
+
+
+def _optimizer_meta(optim: dict, where: str) -> dict:
+    """The optimizer's param groups (without ``params``) and grad scaler, as JSON; ``step`` later.
+
+    Megatron's optimizers save ``{"state", "param_groups"}`` (``FP32Optimizer``),
+    ``{"optimizer", "fp32_from_fp16_params", "grad_scaler"}`` (``Float16OptimizerWithFloat16Params``)
+    or ``{"optimizer", "grad_scaler"}`` (``DistributedOptimizer``).
+
+    Raises:
+        ManifestError: for any other entry (tenplex would not carry it).
+    """
+    unknown = sorted(set(optim) - _OPTIMIZER_KEYS)
+    if unknown:
+        raise ManifestError(f"{where}: optimizer entries {unknown} are not supported")
+    inner = optim["optimizer"] if isinstance(optim.get("optimizer"), dict) else optim
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.get("param_groups", [])]
+    return {"param_groups": to_jsonable(groups, f"{where}: optimizer param_groups"), "step": None,
+            "grad_scaler": to_jsonable(optim.get("grad_scaler"), f"{where}: grad_scaler")}
 
 
 def _extra(files: dict, iter_dir: str) -> dict:
@@ -323,8 +338,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         "megatron/checkpoint_version": first.get("checkpoint_version"),
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(first.get("opt_param_scheduler"), "opt_param_scheduler"),
-        "megatron/optimizer": None if kind is None else {"param_groups": to_jsonable(
-            _optimizer_groups(first.get("optimizer")), "optimizer param_groups"), "step": None},
+        "megatron/optimizer": None if kind is None else _optimizer_meta(first["optimizer"], iter_dir),
         "megatron/num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far"),
         "megatron/rng_state": sorted(rng_refs),
         "megatron/extra": _extra(files, iter_dir) or None,

@@ -127,7 +127,7 @@ def _write_rank(build, cfg, values, rng_states, optimizer, t, p, rank, d) -> int
     if optimizer == "adam":
         state["optimizer"] = _adam_state(build, cfg, values, p, rank, local)
     elif optimizer == "distrib_optim":
-        state["optimizer"] = {"optimizer": {"param_groups": values.param_groups()}}
+        state["optimizer"] = {"optimizer": {"param_groups": values.param_groups()}, **values.grad_scaler()}
     state["rng_state"] = rng_states[f"tp={t},pp={p}"]
     state["num_floating_point_operations_so_far"] = values.flops
     state.update(values.extra)
@@ -158,7 +158,4 @@ def _adam_state(build, cfg: MegatronConfig, values, p, rank, local) -> dict:
     inner = {"state": state, "param_groups": groups}
     if cfg.params_dtype == "float32":
         return inner
-    out = {"optimizer": inner, "fp32_from_fp16_params": mains}
-    if (values.optimizer or {}).get("grad_scaler") is not None:
-        out["grad_scaler"] = values.optimizer["grad_scaler"]
-    return out
+    return {"optimizer": inner, "fp32_from_fp16_params": mains, **values.grad_scaler()}
