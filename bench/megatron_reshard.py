@@ -39,10 +39,13 @@ the source's bit for bit, compared leaf by leaf through tenplex's readers;
 megatron-core loads tenplex's ``dist_to_legacy`` output at ``tp=1,pp=4`` and
 its logits equal those after megatron-core's own load exactly.
 
-Checkpoints go to ``/dev/shm`` when it has room; removed unless ``--keep``.
-The last line is one JSON object. Run it when the machine is otherwise idle.
+Checkpoints go to a temporary directory on disk (``--shm``: ``/dev/shm``);
+each output is removed once measured and checked, the sources at the end.
+At most the three sources and two outputs exist at once (about 5 x
+``--gb``). The last line is one JSON object. Run it when the machine is
+otherwise idle.
 
-Usage: python bench/megatron_reshard.py [--gb 2.0] [--keep] [--threads 8]
+Usage: python bench/megatron_reshard.py [--gb 2.0] [--threads 8] [--shm]
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ from tenplex_megatron.plugin import LEGACY, DIST
 def src(p):
     return (LEGACY if LEGACY.detect(p) else DIST).open_source(p)
 def leaf(s, path):
-    shards = {{}}
+    shards = {{r: {{}} for r in range(s.config.world_size)}}
     for r in range(s.config.world_size):
         if s.sharding.holding(path, s.config.coord(r)) is not None:
             shards[r] = {{path: s.read(s.record(path, r))}}
@@ -173,13 +176,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size with optimizer state (GB)")
     parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--shm", action="store_true", help="put the checkpoints in /dev/shm (RAM)")
     args = parser.parse_args()
 
     m = model_shape(args.gb)
     flags = worker_flags(m)
-    shm = "/dev/shm" if shutil.disk_usage("/dev/shm").free > m["params"] * 16 * 8 else None
-    root = tempfile.mkdtemp(prefix="tenplex-mcore-bench-", dir=shm)
+    root = tempfile.mkdtemp(prefix="tenplex-mcore-bench-", dir="/dev/shm" if args.shm else None)
     print(f"model: layers={m['layers']} hidden={m['hidden']} heads={m['heads']} groups={m['query_groups']} "
           f"ffn={m['ffn']} vocab={m['vocab']}: {m['params'] / 1e6:.1f}M params; scratch {root}")
     try:
@@ -192,46 +194,43 @@ def main() -> None:
         print(f"sources saved by megatron-core at tp=2,pp=2 ({w + w2:.0f} s): " + ", ".join(
             f"{k} {dir_bytes(v) / 1e9:.2f} GB" for k, v in src.items()))
         _, baseline, _ = measured([sys.executable, "-c", BASELINE])
-        results = {}
-        for name, (source, fmt, _) in CASES.items():
+        results, ratios, diff = {}, {}, float("nan")
+        for name, (source, fmt, own) in CASES.items():
             dst = f"{root}/out_{name}"
             wall, peak, out = measured([*tenplex_exe(), "reshard", src[source], dst, "--to", TARGET,
                                         "--format", fmt, "--threads", str(args.threads), "--json"])
             bound = 1.5 * (largest_file(src[source]) + largest_file(dst))
-            results[name] = {"wall_s": round(wall, 2), "peak_rss_mb": round(peak, 1),
-                             "over_bound": round((peak - baseline) * 2**20 / bound, 3),
-                             "bound_mb": round(bound / 2**20, 1),
-                             "bytes_written": json.loads(out.strip().splitlines()[-1])["bytes_written"],
-                             "same_state": same_state(src[source], dst)}
+            r = results[name] = {"wall_s": round(wall, 2), "peak_rss_mb": round(peak, 1),
+                                 "over_bound": round((peak - baseline) * 2**20 / bound, 3),
+                                 "bound_mb": round(bound / 2**20, 1),
+                                 "bytes_written": json.loads(out.strip().splitlines()[-1])["bytes_written"],
+                                 "same_state": same_state(src[source], dst)}
             print(f"{name:17s} {wall:7.2f} s  peak RSS {peak:8.1f} MB (baseline {baseline:.0f}), bound "
-                  f"{bound / 2**20:8.1f} MB: {results[name]['over_bound']:.3f}; same state "
-                  f"{results[name]['same_state']}")
-        ratios = {}
-        for name, (_, _, own) in CASES.items():
-            if own is None:
-                continue
-            mc_dst = f"{root}/megatron_{name}"
-            _, t = run_worker(DST, flags, "--optimizer", "--load", "dist", "--load-dir", src[own[0]],
-                              "--save", own[1], "--save-dir", mc_dst, "--logits-out", f"{mc_dst}.logits.pt")
-            mc = t["load_dist"] + t[f"save_{own[1]}"]
-            ratios[name] = round(results[name]["wall_s"] / mc, 3)
-            results[name]["megatron_load_save_s"] = round(mc, 2)
-            print(f"{name:17s} megatron-core load + save at tp=1,pp=4: {mc:.2f} s; tenplex/megatron "
-                  f"{ratios[name]:.2f}")
-        run_worker(DST, flags, "--optimizer", "--load", "legacy", "--load-dir", f"{root}/out_dist_to_legacy",
-                   "--logits-out", f"{root}/tenplex.logits.pt")
-        diff = logits_equal(f"{root}/tenplex.logits.pt", f"{root}/megatron_dist_to_legacy.logits.pt")
-        print(f"megatron-core loads tenplex's dist_to_legacy output: logits max |diff| vs its own load {diff:g}")
+                  f"{bound / 2**20:8.1f} MB: {r['over_bound']:.3f}; same state {r['same_state']}", flush=True)
+            if own is not None:  # megatron-core's own load + save at the target
+                mc_dst = f"{root}/megatron_{name}"
+                _, t = run_worker(DST, flags, "--optimizer", "--load", "dist", "--load-dir", src[own[0]],
+                                  "--save", own[1], "--save-dir", mc_dst, "--logits-out", f"{mc_dst}.logits.pt")
+                mc = t["load_dist"] + t[f"save_{own[1]}"]
+                ratios[name] = round(wall / mc, 3)
+                r["megatron_load_save_s"] = round(mc, 2)
+                print(f"{name:17s} megatron-core load + save at tp=1,pp=4: {mc:.2f} s; tenplex/megatron "
+                      f"{ratios[name]:.2f}", flush=True)
+                if own[1] == "legacy":  # megatron-core loads tenplex's output too: same logits
+                    run_worker(DST, flags, "--optimizer", "--load", "legacy", "--load-dir", dst,
+                               "--logits-out", f"{root}/tenplex.logits.pt")
+                    diff = logits_equal(f"{root}/tenplex.logits.pt", f"{mc_dst}.logits.pt")
+                    print(f"megatron-core loads tenplex's {name} output: logits max |diff| vs its own "
+                          f"load {diff:g}", flush=True)
+                shutil.rmtree(mc_dst)
+            shutil.rmtree(dst)
         worst = max(r["over_bound"] for r in results.values())
         ok = worst <= 1.0 and diff == 0.0 and all(r["same_state"] for r in results.values())
         print(json.dumps({"peak_rss_over_bound": worst, "tenplex_over_megatron": max(ratios.values()),
                           "tenplex_over_megatron_by_case": ratios, "baseline_rss_mb": round(baseline, 1),
                           "cases": results, "params": m["params"], "logits_max_abs_diff": diff, "ok": ok}))
     finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            print(f"kept {root}")
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
