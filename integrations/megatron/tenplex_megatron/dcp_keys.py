@@ -14,6 +14,8 @@ bookkeeping objects.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 
 from tenplex.ptree.sharding import Sharding
@@ -21,7 +23,7 @@ from tenplex.ptree.sharding import Sharding
 from tenplex_megatron.config import MegatronConfig
 from tenplex_megatron.layouts import OPTIMIZER_STATES, param_specs
 
-__all__ = ["expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+__all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS"]
 
 FLAT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
@@ -30,6 +32,15 @@ OBJECT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shar
 EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)_(\d+)$")
 RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
+
+
+def is_dist(root: str) -> bool:
+    """Whether ``root`` is a ``torch_dist`` directory (its ``metadata.json`` says so)."""
+    try:
+        with open(os.path.join(root, "metadata.json")) as f:
+            return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def flat_key(m: int, bucket: int, state: str, dtypes) -> str:

@@ -14,7 +14,6 @@ whose tensor bytes :func:`tenplex_megatron.ptfile.load_refs` locates.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -30,7 +29,7 @@ from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab, stage_layers
 from tenplex_megatron.dcp_keys import (DP_OBJECTS, EXTRA_KEY, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
-                                       expected_tensors, flat_key, object_key)
+                                       expected_tensors, flat_key, is_dist, object_key)
 from tenplex_megatron.dcp_safe import SafeReader, read_objects
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_layout
@@ -42,14 +41,6 @@ __all__ = ["is_dist", "describe_dist", "DcpRecord", "read_common", "rng_coords",
 
 _COMMON_KNOWN = {"content_metadata", "iteration", "opt_param_scheduler", "optimizer", "args",
                  "checkpoint_version", "num_floating_point_operations_so_far"}
-
-
-def is_dist(root: str) -> bool:
-    try:
-        with open(os.path.join(root, "metadata.json")) as f:
-            return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def read_common(root: str) -> dict:

@@ -16,14 +16,12 @@ import os
 
 from tenplex.ptree.config import ParallelConfig
 
-from tenplex_megatron.dcp_read import describe_dist, is_dist
-from tenplex_megatron.dcp_source import open_dist
+from tenplex_megatron.dcp_keys import is_dist
 from tenplex_megatron.description import Description
-from tenplex_megatron.dist_direct import reshard_dist
-from tenplex_megatron.dist_write import write_dist
-from tenplex_megatron.legacy import describe_legacy, is_legacy, open_legacy
-from tenplex_megatron.legacy_write import write_legacy
-from tenplex_megatron.verify import verify_dist, verify_legacy
+from tenplex_megatron.legacy import is_legacy
+
+# The readers and writers are imported where they are used: loading the plugin (every CLI
+# call) then costs no torch.distributed.checkpoint import (~0.7 s) unless a command needs it.
 
 __all__ = ["LEGACY", "DIST"]
 
@@ -48,18 +46,26 @@ class _Legacy:
 
     @staticmethod
     def describe(path: str, **options) -> Description:
+        from tenplex_megatron.legacy import describe_legacy
+
         return describe_legacy(path, _model_config(options)).desc
 
     @staticmethod
     def open_source(path: str, **options):
+        from tenplex_megatron.legacy import open_legacy
+
         return open_legacy(path, _model_config(options), options.get("threads", 8))
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
+        from tenplex_megatron.legacy_write import write_legacy
+
         return write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
 
     @staticmethod
     def verify(path: str, **options) -> dict:
+        from tenplex_megatron.verify import verify_legacy
+
         return verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
                              threads=options.get("threads", 8), progress=options.get("progress"))
 
@@ -75,23 +81,33 @@ class _Dist:
 
     @staticmethod
     def describe(path: str, **options) -> Description:
+        from tenplex_megatron.dcp_read import describe_dist
+
         return describe_dist(path, _model_config(options)).desc
 
     @staticmethod
     def open_source(path: str, **options):
+        from tenplex_megatron.dcp_source import open_dist
+
         return open_dist(path, _model_config(options))
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
+        from tenplex_megatron.dist_write import write_dist
+
         return write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
 
     @staticmethod
     def reshard(src: str, dst: str, to: ParallelConfig, **options) -> dict | None:
         """Direct dist-to-dist reshard (DCP items copied, vocab rows and args adjusted), or None."""
+        from tenplex_megatron.dist_direct import reshard_dist
+
         return reshard_dist(src, dst, to, _model_config(options))
 
     @staticmethod
     def verify(path: str, **options) -> dict:
+        from tenplex_megatron.verify import verify_dist
+
         return verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
                            threads=options.get("threads", 8), progress=options.get("progress"))
 
