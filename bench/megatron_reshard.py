@@ -1,53 +1,52 @@
-"""Megatron dist checkpoint, tp=2,pp=1 -> tp=1,pp=2: ``tenplex reshard`` against megatron-core's load + save.
+"""Megatron checkpoints through ``tenplex reshard``: bounded memory, and time against megatron-core.
 
-A real megatron-core ``GPTModel`` (GQA, SwiGLU, rope, untied embeddings,
-RMSNorm, no linear biases; fp32 weights, no optimizer) of about ``--gb``
-GB is built and saved with ``megatron.core.dist_checkpointing.save`` at
-``tp=2,pp=1`` by two gloo processes on CPU
-(``integrations/megatron/tests/mcore_worker.py --save dist``). The vocabulary
-is a multiple of ``128 * 4``, so its padding is the same at tp = 1, 2 and 4.
-That checkpoint (SRC) is then brought to ``tp=1,pp=2`` two ways, in the same
-run:
+A real megatron-core ``GPTModel`` (GQA, SwiGLU, rope, untied, RMSNorm, fp32)
+of about ``--gb`` GB *with its distributed-optimizer state* (fp32 main
+params and two Adam moments: 16 bytes per parameter) is trained one step
+and saved at ``tp=2,pp=2`` by four gloo processes on CPU
+(``integrations/megatron/tests/mcore_worker.py``): as a Megatron-LM legacy
+checkpoint (``model_optim_rng.pt`` + ``distrib_optim.pt`` per rank), as a
+``torch_dist`` directory with ``fully_reshardable`` optimizer state, and as
+one with ``dp_reshardable`` state. Each is then resharded to
+``tp=1,pp=4`` by the ``tenplex`` console script (a subprocess):
 
-1. **tenplex**: ``tenplex reshard SRC DST --to dp=1,tp=1,pp=2`` (the console
-   script, in a subprocess; megatron-dist in, megatron-dist out). Timed as
-   the subprocess's wall time. Python start-up and the CLI's import are timed
-   apart (``python -c 'import tenplex.cli.main'``, best of 3) and subtracted
-   for the second figure; the CLI's own ``seconds`` (``--json``) is shown too.
-2. **megatron-core**: the worker at ``tp=1,pp=2`` (2 processes) with
-   ``--load dist --load-dir SRC --save dist --save-dir DST2``: its
-   ``TIME load_dist`` + ``TIME save_dist`` lines, i.e. the time of the
-   ``sharded_state_dict`` + ``dist_checkpointing.load`` + ``load_state_dict``
-   and ``sharded_state_dict`` + ``dist_checkpointing.save`` calls, without
-   torchrun, process-group and model-build time. The worker's whole wall time
-   is printed for reference.
+| case | source | target |
+|---|---|---|
+| ``legacy_to_legacy`` | legacy + ``distrib_optim.pt`` | legacy + ``distrib_optim.pt`` |
+| ``legacy_to_dist`` | legacy + ``distrib_optim.pt`` | ``torch_dist`` |
+| ``dist_to_legacy`` | ``torch_dist`` (``fully_reshardable``) | legacy |
+| ``dpr_to_dist`` | ``torch_dist`` (``dp_reshardable``) | ``torch_dist`` (planner path) |
+| ``dist_to_dist`` | ``torch_dist`` (``fully_reshardable``) | ``torch_dist`` (items copied directly) |
 
-Correctness: the source worker writes the model's logits on a fixed batch
-right after saving; the worker at ``tp=1,pp=2`` loads tenplex's DST with
-megatron-core's ``dist_checkpointing.load`` and writes its logits; the max
-absolute difference is printed against 1e-6. The megatron-core worker also
-writes its logits after its own load + save (not counted in its times), and
-tenplex's logits are compared with those too: the same weights at the same
-config, so they must agree exactly. tp=2 and tp=1 sum the row-parallel
-matmuls in different orders, so at ~1 GB (hidden 1024) both megatron-core's
-own reshard and tenplex's differ from the source logits by a few 1e-6.
-``ok`` (exit status 0) means: tenplex's logits equal megatron-core's exactly,
-and tenplex's difference to the source is within max(1e-6, megatron-core's).
+**Memory.** Each run's peak RSS is its process's own high-water mark
+(``os.wait4``'s ``ru_maxrss``). The interpreter's baseline is the peak RSS
+of a process that imports what the CLI imports for the case (the DCP
+modules only when a side is ``torch_dist``) and exits; its wall time is the
+start-up shown beside each case. The bound is ``1.5 x (largest source file + largest target file)``;
+``peak_rss_over_bound`` = (peak - baseline) / bound, the worst case's
+(goal <= 1.0).
 
-Checkpoints go to ``/dev/shm`` when it has room (tmpfs: software cost
-decides), otherwise to a temporary directory; they are removed at the end
-unless ``--keep``. Printed: times, bytes on disk, and tenplex/megatron. The
-last line is one JSON object: ``tenplex_over_megatron`` (tenplex CLI wall
-time over megatron's load + save call time), ``tenplex_over_megatron_no_startup``,
-the component times, sizes and ``max_abs_diff``.
+**Time.** megatron-core can reshard only ``torch_dist`` checkpoints with
+``fully_reshardable`` state (legacy files load only at their own tp and pp,
+and ``dp_reshardable`` only across dp). For those two cases the worker at
+``tp=1,pp=4`` times its own ``dist_checkpointing.load`` + save (``TIME
+load_dist`` + ``TIME save_legacy``/``save_dist``, i.e. without process
+start, process groups and model build). ``tenplex_over_megatron`` is the
+worse of the two ratios of tenplex's CLI wall time (start-up included) to
+that (goal <= 0.5).
 
-``--profile`` also runs the tenplex reshard once more under cProfile (every
-thread profiled; stats merged) and prints the top functions.
+**Correctness.** Every output's global tensors (model and optimizer) equal
+the source's bit for bit, compared leaf by leaf through tenplex's readers;
+megatron-core loads tenplex's ``dist_to_legacy`` output at ``tp=1,pp=4`` and
+its logits equal those after megatron-core's own load exactly.
 
-Wall times are sensitive to other load on the machine (megatron uses two
-processes, one thread each; tenplex one process with its default threads).
+Checkpoints go to a temporary directory on disk (``--shm``: ``/dev/shm``);
+each output is removed once measured and checked, the sources at the end.
+At most the three sources and two outputs exist at once (about 5 x
+``--gb``). The last line is one JSON object. Run it when the machine is
+otherwise idle.
 
-Usage: python bench/megatron_reshard.py [--gb 1.0] [--keep] [--repeat 1] [--profile]
+Usage: python bench/megatron_reshard.py [--gb 2.0] [--threads 8] [--shm]
 """
 
 from __future__ import annotations
@@ -63,254 +62,186 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKER = ROOT / "integrations" / "megatron" / "tests" / "mcore_worker.py"
-SRC_CFG = (2, 1)  # (tp, pp)
-DST_CFG = (1, 2)
-TARGET = "dp=1,tp=1,pp=2"
-TOL = 1e-6
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_common import dir_bytes  # noqa: E402
 
-# Runs tenplex.cli.main under cProfile with one profiler per thread; merges them into argv[1].
-PROFILE_DRIVER = r"""
-import cProfile, pstats, sys, threading
-out, argv = sys.argv[1], sys.argv[2:]
-profiles = []
-_run = threading.Thread.run
-def run(self):
-    p = cProfile.Profile()
-    profiles.append(p)
-    p.enable()
-    try:
-        _run(self)
-    finally:
-        p.disable()
-threading.Thread.run = run
-main = cProfile.Profile()
-main.enable()
-from tenplex.cli.main import main as cli
-rc = cli(argv)
-main.disable()
-stats = pstats.Stats(main)
-for p in profiles:
-    try:
-        stats.add(p)
-    except TypeError:  # a thread that recorded nothing
-        pass
-stats.dump_stats(out)
-sys.exit(rc)
-"""
+WORKER = ROOT / "integrations" / "megatron" / "tests" / "mcore_worker.py"
+SRC, DST = (2, 2), (1, 4)  # (tp, pp)
+TARGET = "dp=1,tp=1,pp=4"
+_IMPORTS = ("import tenplex.cli.main as m; m.build_parser(); import tenplex.cli.commands, tenplex.api, "
+            "tenplex_megatron.legacy, tenplex_megatron.legacy_write")
+BASELINE = {"legacy": _IMPORTS,  # what a run imports: the DCP modules only when a side is torch_dist
+            "dist": _IMPORTS + ", tenplex_megatron.dcp_source, tenplex_megatron.dist_write, "
+                               "tenplex_megatron.dist_direct"}
+CASES = {  # name: (source dir, --format, megatron's own comparison: (source dir, save kind) or None)
+    "legacy_to_legacy": ("legacy", "megatron-legacy", None),
+    "legacy_to_dist": ("legacy", "megatron-dist", None),
+    "dist_to_legacy": ("dist_fr", "megatron-legacy", ("dist_fr", "legacy")),
+    "dpr_to_dist": ("dist_dpr", "megatron-dist", None),
+    "dist_to_dist": ("dist_fr", "megatron-dist", ("dist_fr", "dist")),
+}
 
 
 def model_shape(gb: float) -> dict:
-    """Layers/hidden/ffn/vocab for about ``gb`` GB of fp32 weights (GQA, SwiGLU, untied)."""
-    target = gb * 1e9 / 4
-    best = None
-    for hidden in (2048, 1536, 1024, 768, 512, 256, 128):
-        heads = max(8, hidden // 64)
-        groups = heads // 4  # divisible by 2 (tp=2 at the source)
-        kv = hidden // heads
-        ffn = -(-(8 * hidden // 3) // 128) * 128
-        vocab = 32768 if hidden >= 512 else 8192  # multiple of 128 * 4
-        per_layer = (hidden * (heads + 2 * groups) * kv  # linear_qkv
-                     + heads * kv * hidden  # linear_proj
-                     + 3 * ffn * hidden  # linear_fc1 [gate; up] + linear_fc2
-                     + 2 * hidden)  # two RMSNorms
-        fixed = 2 * vocab * hidden + hidden  # embedding, output layer, final norm
-        layers = max(2, 2 * round((target - fixed) / per_layer / 2))
-        best = dict(layers=layers, hidden=hidden, heads=heads, query_groups=groups, ffn=ffn,
-                    vocab=vocab, params=fixed + layers * per_layer)
-        if layers >= 8:
-            break
-    return best
+    """Layers/hidden/ffn/vocab for about ``gb`` GB of weights plus distributed-optimizer state."""
+    params = gb * 1e9 / 16
+    hidden = 1024 if params > 60e6 else 512
+    heads, groups, vocab = hidden // 64, hidden // 256, 32768
+    ffn = -(-(8 * hidden // 3) // 128) * 128
+    kv = hidden // heads
+    per_layer = hidden * (heads + 2 * groups) * kv + heads * kv * hidden + 3 * ffn * hidden + 2 * hidden
+    fixed = 2 * vocab * hidden + hidden
+    layers = max(4, 4 * round((params - fixed) / per_layer / 4))
+    return dict(layers=layers, hidden=hidden, heads=heads, query_groups=groups, ffn=ffn, vocab=vocab,
+                params=fixed + layers * per_layer)
 
 
 def worker_flags(m: dict) -> list[str]:
     return ["--layers", str(m["layers"]), "--hidden", str(m["hidden"]), "--heads", str(m["heads"]),
             "--query-groups", str(m["query_groups"]), "--ffn", str(m["ffn"]), "--swiglu",
             "--position", "rope", "--untie", "--vocab", str(m["vocab"]),
-            "--make-vocab-size-divisible-by", "128", "--seq", "16", "--batch", "2"]
+            "--make-vocab-size-divisible-by", "128", "--seq", "16", "--batch", "4", "--dist-opt"]
 
 
-def run_worker(cfg: tuple[int, int], flags: list[str], *extra: str) -> tuple[float, dict[str, float], str]:
-    """The worker under torchrun (tp * pp processes): wall seconds, its TIME lines, its stdout."""
+def run_worker(cfg, flags, *extra) -> tuple[float, dict]:
     tp, pp = cfg
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * pp}",
            str(WORKER), "--tp", str(tp), "--pp", str(pp), *flags, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
     if done.returncode != 0:
         sys.exit(f"worker failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    times = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("TIME "):
-            parts = line.split()
-            times[parts[1]] = float(parts[2])
-    return wall, times, done.stdout
+    times = {line.split()[1]: float(line.split()[2]) for line in done.stdout.splitlines()
+             if line.startswith("TIME ")}
+    return time.perf_counter() - t0, times
+
+
+def measured(cmd: list[str]) -> tuple[float, float, str]:
+    """Run ``cmd``; its wall seconds, its own peak RSS (MB) and its stdout."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this process's own rusage, not all children's
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        sys.exit(f"failed ({' '.join(cmd)}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return wall, usage.ru_maxrss / 1024, stdout
 
 
 def tenplex_exe() -> list[str]:
-    """The ``tenplex`` console script next to this Python (not a pyenv shim), else on PATH."""
     exe = pathlib.Path(sys.executable).parent / "tenplex"
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("tenplex")
-    return [found] if found else [sys.executable, "-m", "tenplex.cli.main"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "tenplex.cli.main"]
 
 
-def run_tenplex(src: str, dst: str) -> tuple[float, dict]:
-    cmd = [*tenplex_exe(), "reshard", src, dst, "--to", TARGET, "--json"]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+def largest_file(path: str) -> int:
+    return max(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+               if f.endswith((".pt", ".distcp")) and f != "common.pt")
+
+
+def same_state(a: str, b: str) -> bool:
+    """Whether two Megatron checkpoints hold the same global tensors, compared leaf by leaf."""
+    code = f"""
+import sys, torch
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.shards import assemble
+from tenplex_megatron.plugin import LEGACY, DIST
+def src(p):
+    return (LEGACY if LEGACY.detect(p) else DIST).open_source(p)
+def leaf(s, path):
+    shards = {{r: {{}} for r in range(s.config.world_size)}}
+    for r in range(s.config.world_size):
+        if s.sharding.holding(path, s.config.coord(r)) is not None:
+            shards[r] = {{path: s.read(s.record(path, r))}}
+    sub = type(s.tree)({{path: s.tree[path]}}, s.tree.num_layers)
+    return assemble(sub, s.config, shards, padded=False, check_replicas=False)[path]
+x, y = src({a!r}), src({b!r})
+assert [p for p, _ in x.tree.tensors()] == [p for p, _ in y.tree.tensors()]
+bad = [p for p, _ in x.tree.tensors() if not torch.equal(leaf(x, p), leaf(y, p))]
+print("DIFF", bad[:3]) if bad else print("SAME")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"tenplex failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    return wall, summary
+        sys.exit(f"comparison failed:\n{done.stderr[-3000:]}")
+    return done.stdout.strip().endswith("SAME")
 
 
-def startup_seconds(repeat: int = 3) -> float:
-    """Python start-up plus ``import tenplex.cli.main`` (best of ``repeat``)."""
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import tenplex.cli.main"], check=True)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def max_abs_diff(a: str, b: str) -> float:
+def logits_equal(a: str, b: str) -> float:
     import torch
 
-    x = torch.load(a, weights_only=True)["logits"]
-    y = torch.load(b, weights_only=True)["logits"]
-    if x.shape != y.shape:
-        sys.exit(f"logits shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
-    return (x.double() - y.double()).abs().max().item()
-
-
-def scratch_root(need: int) -> str:
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and shutil.disk_usage(shm).free > need:
-        return tempfile.mkdtemp(prefix="tenplex-mcore-bench-", dir=shm)
-    return tempfile.mkdtemp(prefix="tenplex-mcore-bench-")
-
-
-def profile(src: str, dst: str, out: str, top: int = 30) -> None:
-    import pstats
-
-    cmd = [sys.executable, "-c", PROFILE_DRIVER, out, "reshard", src, dst, "--to", TARGET, "--json"]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(f"profile run failed:\n{done.stderr[-3000:]}")
-        return
-    print(f"\nprofile ({time.perf_counter() - t0:.2f} s under cProfile, all threads merged): {out}")
-    stats = pstats.Stats(out)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    stats.sort_stats("tottime").print_callers(12)
+    return (torch.load(a, weights_only=True)["logits"] - torch.load(b, weights_only=True)["logits"]).abs().max().item()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gb", type=float, default=1.0, help="approximate model size in GB (fp32)")
-    parser.add_argument("--keep", action="store_true", help="keep the checkpoint directories")
-    parser.add_argument("--repeat", type=int, default=1, help="timed runs of each path (best counts)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile one tenplex reshard (cProfile, all threads)")
+    parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size with optimizer state (GB)")
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--shm", action="store_true", help="put the checkpoints in /dev/shm (RAM)")
     args = parser.parse_args()
 
     m = model_shape(args.gb)
     flags = worker_flags(m)
-    # source + two outputs + the scratch copies megatron's writer makes; generous
-    root = scratch_root(int(m["params"] * 4 * 4))
-    src, logits_src, logits_dst, logits_mc = (f"{root}/src", f"{root}/logits_src.pt",
-                                              f"{root}/logits_dst.pt", f"{root}/logits_megatron.pt")
-    print(f"model: layers={m['layers']} hidden={m['hidden']} heads={m['heads']} "
-          f"query_groups={m['query_groups']} ffn={m['ffn']} vocab={m['vocab']} swiglu rope untied "
-          f"~{m['params'] / 1e6:.1f}M params ({m['params'] * 4 / 1e9:.3f} GB fp32); scratch {root}")
+    root = tempfile.mkdtemp(prefix="tenplex-mcore-bench-", dir="/dev/shm" if args.shm else None)
+    print(f"model: layers={m['layers']} hidden={m['hidden']} heads={m['heads']} groups={m['query_groups']} "
+          f"ffn={m['ffn']} vocab={m['vocab']}: {m['params'] / 1e6:.1f}M params; scratch {root}")
     try:
-        wall, t, _ = run_worker(SRC_CFG, flags, "--save", "dist", "--save-dir", src,
-                                "--logits-out", logits_src)
-        src_bytes = dir_bytes(src)
-        print(f"source: megatron-core tp=2,pp=1 save_dist {t['save_dist']:.2f} s "
-              f"(worker {wall:.1f} s), {src_bytes / 1e9:.3f} GB on disk")
-
-        startup = startup_seconds()
-        tp_walls, tp_inner, mc_calls, mc_load, mc_save, mc_walls = [], [], [], [], [], []
-        for i in range(args.repeat):
-            dst, dst2 = f"{root}/tenplex_{i}", f"{root}/megatron_{i}"
-            wall, summary = run_tenplex(src, dst)
-            tp_walls.append(wall)
-            tp_inner.append(summary.get("seconds", float("nan")))
-            wall, t, _ = run_worker(DST_CFG, flags, "--load", "dist", "--load-dir", src,
-                                    "--save", "dist", "--save-dir", dst2, "--logits-out", logits_mc)
-            mc_load.append(t["load_dist"])
-            mc_save.append(t["save_dist"])
-            mc_calls.append(t["load_dist"] + t["save_dist"])
-            mc_walls.append(wall - t.get("logits", 0.0))  # the logits check is not part of it
-            if i < args.repeat - 1:  # keep the last pair for checks and sizes
-                shutil.rmtree(dst)
-                shutil.rmtree(dst2)
-        dst, dst2 = f"{root}/tenplex_{args.repeat - 1}", f"{root}/megatron_{args.repeat - 1}"
-        dst_bytes, dst2_bytes = dir_bytes(dst), dir_bytes(dst2)
-
-        wall, t, _ = run_worker(DST_CFG, flags, "--load", "dist", "--load-dir", dst,
-                                "--logits-out", logits_dst)
-        diff = max_abs_diff(logits_src, logits_dst)
-        diff_mc = max_abs_diff(logits_mc, logits_dst)
-        diff_mc_src = max_abs_diff(logits_src, logits_mc)
-        ok = diff_mc == 0.0 and diff <= max(TOL, diff_mc_src)
-
-        best_mc = min(range(args.repeat), key=lambda j: mc_calls[j])
-        tenplex_s, megatron_s = min(tp_walls), mc_calls[best_mc]
-        no_startup = tenplex_s - startup
-        print(f"\ntenplex reshard CLI ({' '.join(tenplex_exe())}): wall {tenplex_s:.2f} s "
-              f"(runs {', '.join(f'{x:.2f}' for x in tp_walls)}); "
-              f"without start-up ({startup:.2f} s) {no_startup:.2f} s; "
-              f"CLI-reported {min(tp_inner):.2f} s; output {dst_bytes / 1e9:.3f} GB")
-        print(f"megatron-core tp=1,pp=2 load_dist + save_dist: {megatron_s:.2f} s "
-              f"(load {mc_load[best_mc]:.2f} + save {mc_save[best_mc]:.2f}; "
-              f"runs {', '.join(f'{x:.2f}' for x in mc_calls)}); "
-              f"worker wall {min(mc_walls):.1f} s; output {dst2_bytes / 1e9:.3f} GB")
-        print(f"tenplex / megatron: {tenplex_s / megatron_s:.2f} "
-              f"(without tenplex start-up {no_startup / megatron_s:.2f})")
-        print(f"check: tenplex output loaded by megatron-core at tp=1,pp=2; logits max |diff| vs source "
-              f"= {diff:.3g} ({'within' if diff <= TOL else 'OVER'} {TOL:g}); "
-              f"vs megatron-core's own tp=1,pp=2 output {diff_mc:.3g} "
-              f"(megatron's output vs source {diff_mc_src:.3g}): {'OK' if ok else 'FAIL'}")
-
-        if args.profile:
-            profile(src, f"{root}/tenplex_profile", f"{root}/tenplex_reshard.prof")
-
-        result = {
-            "tenplex_over_megatron": round(tenplex_s / megatron_s, 4),
-            "tenplex_over_megatron_no_startup": round(no_startup / megatron_s, 4),
-            "tenplex_cli_wall_s": round(tenplex_s, 3),
-            "tenplex_no_startup_s": round(no_startup, 3),
-            "tenplex_reported_s": round(min(tp_inner), 3),
-            "python_startup_s": round(startup, 3),
-            "megatron_load_save_s": round(megatron_s, 3),
-            "megatron_load_s": mc_load[best_mc],
-            "megatron_save_s": mc_save[best_mc],
-            "megatron_worker_wall_s": round(min(mc_walls), 3),
-            "src_bytes": src_bytes, "tenplex_dst_bytes": dst_bytes, "megatron_dst_bytes": dst2_bytes,
-            "params": m["params"], "max_abs_diff": diff, "max_abs_diff_vs_megatron_output": diff_mc,
-            "max_abs_diff_megatron_vs_source": diff_mc_src, "ok": ok,
-        }
-        if args.keep:
-            print(f"kept {root}")
-        print(json.dumps(result))
-        if not ok:
-            sys.exit(1)
+        src = {k: f"{root}/{k}" for k in ("legacy", "dist_fr", "dist_dpr")}
+        w, _ = run_worker(SRC, flags, "--train-steps", "1", "--save", "both", "--save-dir", f"{root}/a")
+        os.rename(f"{root}/a/legacy", src["legacy"])
+        os.rename(f"{root}/a/dist", src["dist_fr"])
+        w2, _ = run_worker(SRC, flags, "--train-steps", "1", "--sharding-type", "dp_reshardable",
+                           "--save", "dist", "--save-dir", src["dist_dpr"])
+        print(f"sources saved by megatron-core at tp=2,pp=2 ({w + w2:.0f} s): " + ", ".join(
+            f"{k} {dir_bytes(v) / 1e9:.2f} GB" for k, v in src.items()))
+        starts, baselines = {}, {}
+        for kind, code in BASELINE.items():
+            starts[kind], baselines[kind], _ = measured([sys.executable, "-c", code])
+        results, ratios, diff = {}, {}, float("nan")
+        for name, (source, fmt, own) in CASES.items():
+            kind = "dist" if "dist" in source or fmt == "megatron-dist" else "legacy"
+            baseline, startup = baselines[kind], starts[kind]
+            dst = f"{root}/out_{name}"
+            wall, peak, out = measured([*tenplex_exe(), "reshard", src[source], dst, "--to", TARGET,
+                                        "--format", fmt, "--threads", str(args.threads), "--json"])
+            bound = 1.5 * (largest_file(src[source]) + largest_file(dst))
+            r = results[name] = {"wall_s": round(wall, 2), "startup_s": round(startup, 2),
+                                 "peak_rss_mb": round(peak, 1), "baseline_rss_mb": round(baseline, 1),
+                                 "over_bound": round((peak - baseline) * 2**20 / bound, 3),
+                                 "bound_mb": round(bound / 2**20, 1),
+                                 "bytes_written": json.loads(out.strip().splitlines()[-1])["bytes_written"],
+                                 "same_state": same_state(src[source], dst)}
+            print(f"{name:17s} {wall:7.2f} s  peak RSS {peak:8.1f} MB (baseline {baseline:.0f}), bound "
+                  f"{bound / 2**20:8.1f} MB: {r['over_bound']:.3f}; same state {r['same_state']}", flush=True)
+            if own is not None:  # megatron-core's own load + save at the target
+                mc_dst = f"{root}/megatron_{name}"
+                _, t = run_worker(DST, flags, "--optimizer", "--load", "dist", "--load-dir", src[own[0]],
+                                  "--save", own[1], "--save-dir", mc_dst, "--logits-out", f"{mc_dst}.logits.pt")
+                mc = t["load_dist"] + t[f"save_{own[1]}"]
+                ratios[name] = round(wall / mc, 3)
+                r["megatron_load_save_s"] = round(mc, 2)
+                r["tenplex_over_megatron_no_startup"] = round((wall - startup) / mc, 3)
+                print(f"{name:17s} megatron-core load + save at tp=1,pp=4: {mc:.2f} s; tenplex/megatron "
+                      f"{ratios[name]:.2f} ({r['tenplex_over_megatron_no_startup']:.2f} without tenplex's "
+                      f"start-up, {startup:.2f} s)", flush=True)
+                if own[1] == "legacy":  # megatron-core loads tenplex's output too: same logits
+                    run_worker(DST, flags, "--optimizer", "--load", "legacy", "--load-dir", dst,
+                               "--logits-out", f"{root}/tenplex.logits.pt")
+                    diff = logits_equal(f"{root}/tenplex.logits.pt", f"{mc_dst}.logits.pt")
+                    print(f"megatron-core loads tenplex's {name} output: logits max |diff| vs its own "
+                          f"load {diff:g}", flush=True)
+                shutil.rmtree(mc_dst)
+            shutil.rmtree(dst)
+        worst = max(r["over_bound"] for r in results.values())
+        ok = worst <= 1.0 and diff == 0.0 and all(r["same_state"] for r in results.values())
+        print(json.dumps({"peak_rss_over_bound": worst, "tenplex_over_megatron": max(ratios.values()),
+                          "tenplex_over_megatron_by_case": ratios,
+                          "cases": results, "params": m["params"], "logits_max_abs_diff": diff, "ok": ok}))
     finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

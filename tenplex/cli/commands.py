@@ -1,164 +1,180 @@
-"""The CLI's commands; each takes parsed arguments and returns an exit code."""
+"""The CLI's commands; each takes parsed arguments and returns an exit code.
+
+Checkpoints of plugin formats are read in place: ``inspect`` and ``plan``
+read their metadata only (``describe``), ``reshard`` reads them through the
+plugin's shard source by byte ranges, and ``verify`` checks their files on
+disk. Nothing is converted into an intermediate store.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
-import uuid
-
-import fsspec
+from math import prod
 
 from tqdm import tqdm
 
 from tenplex.cli.formats import TENPLEX, detect, formats
-from tenplex.cli.render import matrix, size, table
+from tenplex.cli.render import matrix, padding_line, size, table
 from tenplex.errors import ConfigError
 from tenplex.ptree.sharding import Sharding
 from tenplex.store.reader import StoreReader
 from tenplex.transform.placement import Placement
 from tenplex.transform.planner import make_plan
 
-__all__ = ["reshard", "inspect", "plan", "verify", "example", "demo"]
+__all__ = ["reshard", "inspect", "plan", "verify", "example"]
 
 
-def _as_store(path: str, tmp: str, args=None) -> tuple[str, str]:
-    """A tenplex store URL for ``path`` and its format; a plugin format is converted into ``tmp``."""
+def _options(args) -> dict:
+    return {"model_config": getattr(args, "model_config", None), "threads": getattr(args, "threads", 8)}
+
+
+class _Bar:
+    """A tqdm byte progress bar fed with ``(done_bytes, total_bytes)``."""
+
+    def __init__(self, desc: str):
+        self.bar = tqdm(total=0, unit="B", unit_scale=True, desc=desc, disable=None, file=sys.stderr)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def __enter__(self) -> "_Bar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+
+def _describe(path: str, args):
+    """``(format, tree, config, values, meta, files)`` from metadata only; ``files`` is
+    ``(count, stored bytes)`` for a tenplex store, else None."""
     fmt = detect(path)
     if fmt == TENPLEX:
-        return path, fmt
-    options = {"model_config": getattr(args, "model_config", None)}
-    formats()[fmt].to_store(path, tmp, **options)
-    return tmp, fmt
+        reader = StoreReader(path)
+        m = reader.manifest
+        return fmt, reader.tree, reader.config, m.values, m.meta, (
+            len(m.files), sum(f.size for f in m.files.values()))
+    d = formats()[fmt].describe(path, **_options(args))
+    return fmt, d.tree, d.config, d.values, d.meta, None
 
 
-@contextlib.contextmanager
-def _scratch():
-    """A scratch store root in memory (``memory://``), removed afterwards."""
-    url = f"memory://tenplex-cli-{uuid.uuid4().hex}"
-    try:
-        yield url
-    finally:
-        fs = fsspec.filesystem("memory")
-        if fs.exists(url.removeprefix("memory://")):
-            fs.rm(url.removeprefix("memory://"), recursive=True)
+def _open(path: str, args):
+    fmt = detect(path)
+    if fmt == TENPLEX:
+        return fmt, StoreReader(path)
+    return fmt, formats()[fmt].open_source(path, **_options(args))
+
+
+def _report(args, summary: dict, padding, notes) -> None:
+    """Print a reshard's padding changes and notes (stderr) and its summary (stdout)."""
+    lines = [c if isinstance(c, str) else padding_line(c) for c in padding]
+    for line in lines:
+        print(f"padding: {line}", file=sys.stderr)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({**summary, "padding": lines, "notes": list(notes)}))
+        return
+    gbps = (summary.get("bytes_read", 0) + summary.get("bytes_written", 0)) / max(summary["seconds"], 1e-9) / 1e9
+    formats_ = "" if summary["src_format"] == summary["format"] == TENPLEX else \
+        f" ({summary['src_format']} -> {summary['format']}{', items copied directly' if summary.get('direct') else ''})"
+    needed = f" (needed {size(summary['bytes_needed'])})" if "bytes_needed" in summary else ""
+    print(f"resharded {summary['src']} -> {summary['dst']}{formats_}: read {size(summary.get('bytes_read', 0))}"
+          f"{needed}, wrote {size(summary.get('bytes_written', 0))} in {summary['seconds']:.2f} s "
+          f"({gbps:.2f} GB/s)")
 
 
 def reshard(args) -> int:
-    from tenplex.api import reshard as run
+    from tenplex.api import reshard as store_reshard
+    from tenplex.cli.convert import write_store
 
     start = time.perf_counter()
     plugins = formats()
     src_fmt = detect(args.src)
+    out_fmt = args.format or src_fmt
+    if out_fmt != TENPLEX and out_fmt not in plugins:
+        raise ConfigError(f"--format {out_fmt}: unknown; expected one of "
+                          f"{', '.join([TENPLEX] + sorted(plugins))}")
+    base = {"dst": str(args.to), "src_format": src_fmt, "format": out_fmt}
     direct = getattr(plugins.get(src_fmt), "reshard", None)
-    if direct is not None and args.format in (None, src_fmt):
-        # a plugin format whose files are already global (megatron-dist): no regions move
-        report = direct(args.src, args.dst, args.to, model_config=getattr(args, "model_config", None))
+    if direct is not None and out_fmt == src_fmt:
+        report = direct(args.src, args.dst, args.to, **_options(args))
         if report is not None:
-            summary = {"src": src_fmt, "dst": str(args.to), "format": src_fmt,
-                       "seconds": time.perf_counter() - start, **report}
-            print(json.dumps(summary) if args.json else
-                  f"resharded {args.src} -> {args.to} ({src_fmt}, model-space tensors rewritten "
-                  f"directly) in {summary['seconds']:.2f} s")
+            summary = {**base, "seconds": time.perf_counter() - start,
+                       **{k: v for k, v in report.items() if k not in ("padding", "notes")}}
+            _report(args, summary, report.get("padding", []), report.get("notes", []))
             return 0
-    with _scratch() as tmp:
-        src, src_fmt = _as_store(args.src, f"{tmp}/source", args)
-        out_fmt = args.format or src_fmt
-        if out_fmt != TENPLEX and out_fmt not in plugins:
-            raise ConfigError(f"--format {out_fmt}: unknown; expected one of "
-                              f"{', '.join([TENPLEX] + sorted(plugins))}")
-        if out_fmt != TENPLEX:
-            # the plugin's writer pulls each target rank from the source store through the planner
-            report = plugins[out_fmt].from_store(src, args.dst, to=args.to)
-            summary = {"src": str(StoreReader(src).config), "dst": str(args.to), "format": out_fmt,
-                       "seconds": time.perf_counter() - start, **(report or {})}
-            print(json.dumps(summary) if args.json else
-                  f"resharded {summary['src']} -> {summary['dst']} ({src_fmt} -> {out_fmt}) "
-                  f"in {summary['seconds']:.2f} s")
-            return 0
-        bar = tqdm(total=0, unit="B", unit_scale=True, desc="reshard", disable=None, file=sys.stderr)
-
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.n = done
-            bar.refresh()
-
-        try:
-            report = run(src, args.dst, args.to, threads=args.threads, progress=progress)
-        finally:
-            bar.close()
-    for line in report.padding:
-        print(f"padding: {line}", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"src": str(report.src), "dst": str(report.dst), "format": out_fmt,
-                          "bytes_read": report.bytes_read, "bytes_needed": report.bytes_needed,
-                          "bytes_written": report.bytes_written, "seconds": report.seconds,
-                          "padding": report.padding}))
+    if src_fmt == TENPLEX and out_fmt == TENPLEX:
+        with _Bar("reshard") as bar:
+            r = store_reshard(args.src, args.dst, args.to, threads=args.threads, progress=bar)
+        summary = {**base, "src": str(r.src), "bytes_read": r.bytes_read, "bytes_needed": r.bytes_needed,
+                   "bytes_written": r.bytes_written, "seconds": r.seconds}
+        _report(args, summary, r.padding, [])
+        return 0
+    _, source = _open(args.src, args)
+    if out_fmt == TENPLEX:
+        with _Bar("reshard") as bar:
+            report = write_store(source, args.dst, args.to, threads=args.threads, progress=bar)
     else:
-        print(report.summary())
+        with _Bar("reshard") as bar:
+            report = plugins[out_fmt].write(source, args.dst, args.to, **_options(args), progress=bar)
+    summary = {**base, "src": str(source.config), "bytes_read": source.bytes_read,
+               "bytes_written": report["bytes_written"], "seconds": time.perf_counter() - start}
+    _report(args, summary, report.get("padding", []), report.get("notes", []))
     return 0
 
 
-def _open(path: str, args) -> tuple[StoreReader, str]:
-    """The manifest of the checkpoint at ``path`` (any format) and its format name."""
-    with _scratch() as tmp:
-        url, fmt = _as_store(path, tmp, args)
-        return StoreReader(url), fmt
-
-
 def inspect(args) -> int:
-    reader, fmt = _open(args.path, args)
-    tree, config = reader.tree, reader.config
+    fmt, tree, config, values, meta, files = _describe(args.path, args)
     sharding = Sharding(tree, config)
     rows, total = [], 0
     for path, leaf in tree.leaves.items():
         if hasattr(leaf, "shape"):
-            n = leaf.itemsize
-            for s in leaf.shape:
-                n *= s
+            n = prod(leaf.shape) * leaf.itemsize
             total += n
             rows.append({"path": path, "shape": list(leaf.shape), "dtype": leaf.dtype,
                          "layout": str(leaf.layout), "bytes": n,
                          "ranks": len(sharding.ranks_holding(path))})
         else:
-            rows.append({"path": path, "value": reader.manifest.values.get(path),
-                         "scope": leaf.scope.value})
-    stored = sum(f.size for f in reader.manifest.files.values())
+            rows.append({"path": path, "value": values.get(path), "scope": leaf.scope.value})
     if args.json:
-        print(json.dumps({"format": fmt, "config": config.to_json(), "num_layers": tree.num_layers,
-                          "leaves": rows, "logical_bytes": total, "stored_bytes": stored,
-                          "files": len(reader.manifest.files), "meta": reader.manifest.meta}))
+        out = {"format": fmt, "config": config.to_json(), "num_layers": tree.num_layers,
+               "leaves": rows, "logical_bytes": total, "meta": meta}
+        if files is not None:
+            out.update(files=files[0], stored_bytes=files[1])
+        print(json.dumps(out))
         return 0
     print(f"{args.path}: {fmt} checkpoint, config {config}, {tree.num_layers} layers")
     print(table([[r["path"], "x".join(map(str, r["shape"])), r["dtype"], r["layout"], size(r["bytes"])]
                  for r in rows if "shape" in r], ["path", "shape", "dtype", "layout", "size"]))
-    values = [r for r in rows if "shape" not in r]
-    if values:
-        print(table([[r["path"], r["scope"], json.dumps(r["value"])[:60]] for r in values],
+    shown = [r for r in rows if "shape" not in r]
+    if shown:
+        print(table([[r["path"], r["scope"], json.dumps(r["value"])[:60]] for r in shown],
                     ["value", "scope", "content"]))
-    print(f"total: {len(rows)} leaves, {size(total)} logical, {size(stored)} stored in "
-          f"{len(reader.manifest.files)} files")
+    stored = f", {size(files[1])} stored in {files[0]} files" if files is not None else ""
+    print(f"total: {len(rows)} leaves, {size(total)} logical{stored}")
     return 0
 
 
 def plan(args) -> int:
-    reader, _ = _open(args.path, args)
-    src, dst = reader.config, args.to
+    _, tree, src, _, _, _ = _describe(args.path, args)
+    dst = args.to
     src_pl = Placement.contiguous(src.world_size, args.per_host)
     dst_pl = Placement.contiguous(dst.world_size, args.per_host)
     if args.best_placement:
         from tenplex.transform.assign import best_placement
         pool = list(Placement.contiguous(max(src.world_size, dst.world_size), args.per_host).devices)
-        dst_pl = best_placement(reader.tree, src, dst, src_pl, pool)
-    p = make_plan(reader.tree, src, dst, src_placement=src_pl, dst_placement=dst_pl)
+        dst_pl = best_placement(tree, src, dst, src_pl, pool)
+    p = make_plan(tree, src, dst, src_placement=src_pl, dst_placement=dst_pl)
     t = p.totals
     summary = {"src": str(src), "dst": str(dst), "ops": len(p.ops), "kinds": p.kinds(),
                "needed": t.needed, "local": t.local, "host": t.host, "network": t.network,
                "fill": t.fill, "lower_bound": t.lower_bound,
                "lower_bound_network": t.lower_bound_network, "max_sender": t.max_sender,
-               "padding": [vars(x) if hasattr(x, "__dict__") else
-                           {"path": x.path, "axis": x.axis, "src_padded": x.src_padded,
+               "padding": [{"path": x.path, "axis": x.axis, "src_padded": x.src_padded,
                             "dst_padded": x.dst_padded, "logical": x.logical} for x in p.padding],
                "matrix": [[s, d, n] for (s, d), n in sorted(p.matrix().items())],
                "placement": [str(d) for d in dst_pl.devices]}
@@ -176,20 +192,26 @@ def plan(args) -> int:
     print(f"moved           {size(t.moved)}   (lower bound {size(t.lower_bound)})")
     print(f"busiest sender  {size(t.max_sender)}")
     for x in p.padding:
-        print(f"padding: {x.path} axis {x.axis}: {x.src_padded} -> {x.dst_padded} rows "
-              f"(logical {x.logical}; {x.created} created zero-filled, {x.dropped} dropped)")
+        print(f"padding: {padding_line(x)}")
     print(matrix(p.matrix(), src.world_size, dst.world_size))
     return 0
 
 
 def verify(args) -> int:
-    from tenplex.api import verify as run
+    fmt = detect(args.path)
+    if fmt == TENPLEX:
+        from tenplex.api import verify as run
 
-    with _scratch() as tmp:
-        url, fmt = _as_store(args.path, tmp, args)
-        result = run(url)
+        result = run(args.path)
+        print(f"{args.path}: OK ({fmt}): {result['files']} files, {size(result['bytes'])}, "
+              f"{result['tensors']} tensors, every checksum verified")
+        return 0
+    with _Bar("verify") as bar:
+        result = formats()[fmt].verify(args.path, **_options(args), checksums=args.checksums, progress=bar)
+    for name, digest in sorted((result.get("checksums") or {}).items()):
+        print(f"xxh3-128 {digest}  {name}")
     print(f"{args.path}: OK ({fmt}): {result['files']} files, {size(result['bytes'])}, "
-          f"{result['tensors']} tensors, every checksum verified")
+          f"{result['tensors']} tensors, every record's CRC-32 verified on disk")
     return 0
 
 
@@ -212,13 +234,3 @@ def example(args) -> int:
     stored = sum(f.size for f in manifest.files.values())
     print(f"wrote a GPT-style example ({len(tree)} leaves, {size(stored)}) at {config} to {args.dst}")
     return 0
-
-
-def demo(args) -> int:
-    try:
-        from tenplex_megatron.demo import main as run
-    except ImportError as exc:
-        raise ConfigError("tenplex demo needs the Megatron integration and megatron-core: "
-                          "pip install --no-deps megatron-core==0.16.1 && "
-                          f"pip install -e integrations/megatron ({exc})") from None
-    return run(parsed=args)

@@ -1,4 +1,4 @@
-"""The ``tenplex`` command: reshard, inspect, plan, verify, example.
+"""The ``tenplex`` command: reshard, inspect, plan, verify, example, and plugins' commands.
 
 Failures exit 1 with a one-line message (``--debug`` shows the traceback);
 usage errors exit 2.
@@ -7,9 +7,11 @@ usage errors exit 2.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import traceback
 
+from tenplex.cli.formats import commands as plugin_commands
 from tenplex.errors import ConfigError, TenplexError
 from tenplex.ptree.config import ParallelConfig
 
@@ -52,15 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="place the new ranks on devices to keep the most bytes in place")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("verify", help="check every checksum and the manifest's consistency")
+    p = sub.add_parser("verify", help="check a checkpoint's files on disk: checksums, sizes, metadata")
     p.add_argument("path")
-
-    p = sub.add_parser("demo", help="elastic Megatron GPT training through changing (dp, tp, pp)")
-    try:
-        from tenplex_megatron.demo import build_parser as demo_parser
-        demo_parser(p)
-    except ImportError:  # the Megatron integration is not installed
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("--checksums", action="store_true",
+                   help="also print an xxh3-128 digest of every file (plugin formats)")
+    p.add_argument("--threads", type=int, default=8, help="files checked at once (default 8)")
 
     p = sub.add_parser("example", help="write a random GPT-style checkpoint to try the tools on")
     p.add_argument("dst")
@@ -70,7 +68,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    for name, command in sorted(plugin_commands().items()):  # e.g. the Megatron integration's demo
+        p = sub.add_parser(name, help=command.help)
+        command.add_arguments(p)
+        p.set_defaults(tenplex_command=command)
     return parser
+
+
+def _return_freed_memory() -> None:
+    """Ask glibc to serve buffers of 1 MiB or more with ``mmap``, so freed tensors go back to the OS.
+
+    glibc's default threshold rises (up to 32 MiB) as large buffers are freed, after which
+    they come from the heap, which keeps what it once held: a conversion's memory would
+    follow the most it ever held rather than what it holds. ``mallopt(M_MMAP_THRESHOLD)``
+    fixes the threshold; nothing happens off glibc.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tenplex.cli import commands
 
+    _return_freed_memory()
     try:
+        if getattr(args, "tenplex_command", None) is not None:
+            return args.tenplex_command.run(args) or 0
         return getattr(commands, args.command)(args) or 0
     except KeyboardInterrupt:
         print("tenplex: interrupted", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from tenplex.errors import ConfigError
 
 __all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args", "stage_layers",
-           "uneven_args"]
+           "uneven_args", "args_for", "check_vocab"]
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -41,6 +41,10 @@ class MegatronConfig:
         position_embedding_type: ``"learned_absolute"`` or ``"rope"``.
         max_position_embeddings: rows of the learned position table.
         add_bias_linear: linear layers have biases.
+        add_qkv_bias: the fused QKV linear has a bias even without ``add_bias_linear``
+            (megatron-core ``TransformerConfig.add_qkv_bias``).
+        qk_layernorm: per-head norms of queries and keys
+            (``self_attention.q_layernorm`` / ``k_layernorm``, ``[kv_channels]``, replicated).
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
         params_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     """
@@ -58,6 +62,8 @@ class MegatronConfig:
     position_embedding_type: str = "learned_absolute"
     max_position_embeddings: int = 1024
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     normalization: str = "LayerNorm"
     params_dtype: str = "float32"
 
@@ -80,6 +86,11 @@ class MegatronConfig:
     @property
     def tied(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether ``linear_qkv`` has a bias (megatron-core: ``add_bias_linear or add_qkv_bias``)."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def qkv_rows(self) -> int:
@@ -128,6 +139,8 @@ class MegatronConfig:
             position_embedding_type=a.get("position_embedding_type", "learned_absolute"),
             max_position_embeddings=int(a.get("max_position_embeddings") or 1024),
             add_bias_linear=bool(a.get("add_bias_linear", True)),
+            add_qkv_bias=bool(a.get("add_qkv_bias", False)),
+            qk_layernorm=bool(a.get("qk_layernorm", False)),
             normalization=a.get("normalization", "LayerNorm"),
             params_dtype=str(a.get("params_dtype", "float32")).removeprefix("torch."),
         )
@@ -224,3 +237,54 @@ def uneven_args(layers: tuple[int, ...] | None) -> dict:
         raise ConfigError(f"Megatron-LM allows uneven first and last stages only; {list(layers)} "
                           "has uneven middle stages")
     return {"decoder_first_pipeline_num_layers": layers[0], "decoder_last_pipeline_num_layers": layers[-1]}
+
+
+def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
+    """Megatron-LM ``args`` rewritten for the parallel ``config`` (the one rewrite every writer uses).
+
+    Args:
+        args: the source's args: a Namespace, a mapping, or :func:`args_to_json`'s
+            JSON form (torch dtypes restored); ``None`` gives an empty Namespace.
+        cfg: the model config (gives the padded vocabulary at the new tp).
+        config: the target :class:`~tenplex.ptree.config.ParallelConfig`.
+
+    Returns:
+        A new Namespace whose ``tensor_model_parallel_size``,
+        ``pipeline_model_parallel_size``, ``data_parallel_size``,
+        ``world_size``, ``padded_vocab_size`` and uneven-pipeline fields
+        describe ``config``; every other field is the source's.
+
+    Raises:
+        ConfigError: if ``config``'s stages cannot be written as Megatron-LM args.
+    """
+    if isinstance(args, argparse.Namespace):
+        out = argparse.Namespace(**vars(args))
+    else:
+        out = json_to_args(args or {})
+    out.tensor_model_parallel_size, out.pipeline_model_parallel_size = config.tp, config.pp
+    out.data_parallel_size = config.dp
+    out.world_size = config.world_size
+    out.padded_vocab_size = cfg.padded_vocab(config.tp)
+    vars(out).update(uneven_args(config.stage_layers))
+    return out
+
+
+def check_vocab(cfg: MegatronConfig, args: Any, tp: int, rows: int | None, where: str) -> None:
+    """The stored (padded) vocabulary rows must be the model config's padding at the saver's ``tp``.
+
+    Raises:
+        ConfigError: if the args' ``vocab_size`` differs from the model config's,
+            or ``rows`` is not ``cfg.padded_vocab(tp)``: tenplex neither truncates
+            nor invents vocabulary rows.
+    """
+    a = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    stored = a.get("vocab_size")
+    if stored and stored != cfg.vocab_size:
+        raise ConfigError(f"{where}: the args say vocab_size={stored}, the model config says "
+                          f"{cfg.vocab_size}; tenplex neither truncates nor invents vocabulary rows")
+    padded = cfg.padded_vocab(tp)
+    if rows is not None and rows != padded:
+        raise ConfigError(f"{where}: the checkpoint stores {rows} vocabulary rows, but vocab_size="
+                          f"{cfg.vocab_size} pads to {padded} at tp={tp} (make_vocab_size_divisible_by="
+                          f"{cfg.make_vocab_size_divisible_by}); give the tokenizer's vocabulary size "
+                          "with --model-config")

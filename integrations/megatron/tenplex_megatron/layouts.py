@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.layout import Layout, Padding, Split, Stage, StageKind
 from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
 
 from tenplex_megatron.config import MegatronConfig
 
 __all__ = ["ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
-           "EXTRA_STATE_LINEARS", "optimizer_path"]
+           "EXTRA_STATE_LINEARS", "optimizer_path", "rank_keys", "param_order", "spec_of"]
 
 OPTIMIZER_STATES = ("param", "exp_avg", "exp_avg_sq")
 """Adam state per parameter: fp32 main param, first and second moments."""
@@ -43,8 +44,11 @@ VALUES = {
     "megatron/optimizer": ValueLeaf(),
     "megatron/num_floating_point_operations_so_far": ValueLeaf(),
     "megatron/rng_state": ValueLeaf(Scope.COORD, ("tp", "pp")),
+    "megatron/extra": ValueLeaf(),
 }
-"""Value leaves of a Megatron checkpoint (JSON). RNG state is kept per (tp, pp) coordinate."""
+"""Value leaves of a Megatron checkpoint (JSON). RNG state is kept per (tp, pp) coordinate.
+``megatron/extra`` carries other top-level entries that are the same on every rank
+(e.g. Megatron-LM's ``rerun_state_machine``), as they are."""
 
 EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv",
                        "mlp.linear_fc1", "mlp.linear_fc2")
@@ -105,9 +109,9 @@ def _spec(mcore, legacy, layer, shape, dtype, layout, no_wd, dist=None) -> Param
                                                      layout.padding)), no_wd)
 
 
-def _norm(cfg, mcore, legacy, layer, layout, dist=None) -> list[ParamSpec]:
+def _norm(cfg, mcore, legacy, layer, layout, dist=None, size=None) -> list[ParamSpec]:
     names = ["weight"] + (["bias"] if cfg.normalization == "LayerNorm" else [])
-    return [_spec(f"{mcore}.{n}", tuple(f"{l}.{n}" for l in legacy), layer, (cfg.hidden_size,),
+    return [_spec(f"{mcore}.{n}", tuple(f"{l}.{n}" for l in legacy), layer, (size or cfg.hidden_size,),
                   cfg.params_dtype, layout, True,
                   None if dist is None else f"{dist}_{n}") for n in names]
 
@@ -132,9 +136,12 @@ def _layer(cfg: MegatronConfig, i: int) -> list[ParamSpec]:
                          i, (h,), dt, rep, True))
     out.append(_spec(f"{D}.self_attention.linear_qkv.weight",
                      (f"{L}.self_attention.query_key_value.weight",), i, (cfg.qkv_rows, h), dt, qkv, False))
-    if cfg.add_bias_linear:
+    if cfg.qkv_bias:
         out.append(_spec(f"{D}.self_attention.linear_qkv.bias",
                          (f"{L}.self_attention.query_key_value.bias",), i, (cfg.qkv_rows,), dt, qkv, True))
+    if cfg.qk_layernorm:  # per-head norms, [kv_channels], replicated (attention.py: SelfAttention)
+        for which in ("q", "k"):
+            out.extend(_norm(cfg, f"{D}.self_attention.{which}_layernorm", (), i, rep, size=d))
     out.extend(_norm(cfg, f"{D}.pre_mlp_layernorm",
                      (f"{L}.post_attention_norm", f"{L}.post_attention_layernorm"), i, rep,
                      dist="decoder.layers.mlp.linear_fc1.layer_norm"))
@@ -170,3 +177,47 @@ def megatron_tree(cfg: MegatronConfig, optimizer: bool = False) -> PTree:
                 leaves[optimizer_path(state, s.path)] = TensorLeaf(s.leaf.shape, "float32", s.leaf.layout)
     leaves.update(VALUES)
     return PTree(leaves, cfg.num_layers)
+
+
+def spec_of(cfg: MegatronConfig, path: str) -> ParamSpec:
+    """The parameter spec of tree path ``path`` (a model path)."""
+    for spec in param_specs(cfg):
+        if spec.path == path:
+            return spec
+    raise KeyError(path)
+
+
+def rank_keys(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int) -> dict[str, list[str]]:
+    """``{tree path: [accepted state-dict keys, megatron-core first]}`` on pipeline stage ``pp_rank``.
+
+    Layer indices in the keys are stage-local. A tied embedding on the last
+    stage (pp > 1) is read from the last stage's ``output_layer.weight``
+    (megatron-core) or ``word_embeddings_for_head.weight`` (Megatron-LM).
+    """
+    first = config.first_layer(pp_rank, cfg.num_layers)
+    last = pp_rank == config.pp - 1
+    out: dict[str, list[str]] = {}
+    for spec in param_specs(cfg):
+        stages = spec.leaf.layout.stage.stages(config.pp, lambda l: config.stage_of_layer(l, cfg.num_layers))
+        if pp_rank not in stages:
+            continue
+        local = {"i": spec.layer - first} if spec.layer is not None else {}
+        keys = [spec.mcore.format(**local)] + [k.format(**local) for k in spec.legacy]
+        if spec.path.endswith("word_embeddings/weight") and last and config.pp > 1 and cfg.tied:
+            keys = (keys if pp_rank == 0 else []) + ["output_layer.weight", "word_embeddings_for_head.weight"]
+        out[spec.path] = keys
+    return out
+
+
+def param_order(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int) -> list[ParamSpec]:
+    """Stage ``pp_rank``'s parameters in ``named_parameters()`` order.
+
+    On the last stage of a tied pipeline the embedding copy is the output
+    layer, registered last (megatron-core ``GPTModel``).
+    """
+    keys = rank_keys(cfg, config, pp_rank)
+    specs = [s for s in param_specs(cfg) if s.path in keys]
+    if cfg.tied and config.pp > 1 and pp_rank == config.pp - 1:
+        emb = next(s for s in specs if s.path.endswith("word_embeddings/weight"))
+        specs = [s for s in specs if s is not emb] + ([emb] if pp_rank != 0 else [])
+    return specs

@@ -1,44 +1,29 @@
 """The ``megatron-legacy`` and ``megatron-dist`` formats for the tenplex CLI.
 
 Registered through the ``tenplex.formats`` entry-point group (see
-``tenplex/cli/formats.py``): the CLI auto-detects both formats, converts them
-into a tenplex store to plan and reshard, and writes the source's format
-back unless ``--format`` says otherwise.
+``tenplex/cli/formats.py`` for the protocol). Both formats are read in
+place: ``describe`` reads metadata only (pickles, DCP's ``.metadata``,
+``common.pt``); ``open_source`` gives a shard source the planner and the
+store executor read by byte ranges; ``write`` writes any Megatron source
+(a tenplex store converted from Megatron, or a checkpoint of either
+format) one target file at a time; ``verify`` checks the files on disk.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
-from tenplex.api import load, save
 from tenplex.ptree.config import ParallelConfig
-from tenplex.ptree.tree import Scope
-from tenplex.store.reader import StoreReader
 
-from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.legacy import Loaded, is_legacy, read_legacy, write_legacy
+from tenplex_megatron.dcp_keys import is_dist
+from tenplex_megatron.description import Description
+from tenplex_megatron.legacy import is_legacy
 
-__all__ = ["LEGACY", "DIST", "to_store", "shards_with_values"]
+# The readers and writers are imported where they are used: loading the plugin (every CLI
+# call) then costs no torch.distributed.checkpoint import (~0.7 s) unless a command needs it.
 
-
-def shards_with_values(loaded: Loaded) -> dict[int, dict[str, Any]]:
-    """Each rank's tensor shards plus its value leaves, as :func:`tenplex.save` takes them."""
-    out = {}
-    for rank, shard in loaded.shards.items():
-        full = dict(shard)
-        for path, leaf in loaded.tree.values():
-            value = loaded.values.get(path)
-            full[path] = value if leaf.scope is Scope.GLOBAL else \
-                (value or {}).get(leaf.key(loaded.config, rank))
-        out[rank] = full
-    return out
-
-
-def to_store(loaded: Loaded, url: str) -> None:
-    """Save a loaded Megatron checkpoint as a tenplex store at ``url``."""
-    save(url, loaded.tree, loaded.config, shards_with_values(loaded), meta=loaded.meta)
+__all__ = ["LEGACY", "DIST"]
 
 
 def _model_config(options: dict) -> dict | None:
@@ -50,41 +35,9 @@ def _model_config(options: dict) -> dict | None:
         return json.load(f)
 
 
-def _target_values(reader: StoreReader, config: ParallelConfig) -> dict:
-    """The stored values laid out for ``config`` (scoped values by coordinate)."""
-    from tenplex.store.execute import target_values
-    from tenplex.transform.planner import make_plan
-    plan = make_plan(reader.tree, reader.config, config)
-    return target_values(reader.tree, plan, reader)
-
-
-def _padding_report(reader: StoreReader, config: ParallelConfig) -> dict:
-    import sys
-    from tenplex.ptree.sharding import Sharding
-    lines = []
-    src, dst = Sharding(reader.tree, reader.config), Sharding(reader.tree, config)
-    for path, leaf in reader.tree.tensors():
-        pad = leaf.layout.padding
-        if pad is not None and src.physical_shape(leaf) != dst.physical_shape(leaf):
-            a, b = src.physical_shape(leaf)[pad.axis], dst.physical_shape(leaf)[pad.axis]
-            lines.append(f"{path}: axis {pad.axis} padded {a} -> {b} (logical {leaf.shape[pad.axis]}; "
-                         f"{max(0, b - a)} rows zero-filled, {max(0, a - b)} dropped)")
-    for line in lines:
-        print(f"padding: {line}", file=sys.stderr)
-    return {"padding": lines}
-
-
-def _store_parts(url: str):
-    reader = StoreReader(url)
-    meta = reader.manifest.meta.get("megatron")
-    if meta is None:
-        from tenplex.errors import ManifestError
-        raise ManifestError(f"{url}: not a Megatron model (no megatron config in the manifest meta)")
-    cfg = MegatronConfig.from_json(meta["config"])
-    return reader, cfg, meta
-
-
 class _Legacy:
+    """Megatron-LM's per-rank ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` checkpoints."""
+
     name = "megatron-legacy"
 
     @staticmethod
@@ -92,48 +45,71 @@ class _Legacy:
         return os.path.isdir(path) and is_legacy(path)
 
     @staticmethod
-    def to_store(path: str, url: str, **options) -> None:
-        to_store(read_legacy(path, _model_config(options)), url)
+    def describe(path: str, **options) -> Description:
+        from tenplex_megatron.legacy import describe_legacy
+
+        return describe_legacy(path, _model_config(options)).desc
 
     @staticmethod
-    def from_store(url: str, path: str, to: ParallelConfig | None = None) -> dict:
-        reader, cfg, meta = _store_parts(url)
-        config = to or reader.config
-        tree = reader.tree
-        tree.validate(config)
-        values = _target_values(reader, config)
-        write_legacy(path, lambda rank: load(url, config, rank), cfg, config, values, tree,
-                     meta.get("optimizer"))
-        return _padding_report(reader, config)
+    def open_source(path: str, **options):
+        from tenplex_megatron.legacy import open_legacy
+
+        return open_legacy(path, _model_config(options), options.get("threads", 8))
+
+    @staticmethod
+    def write(source, path: str, to: ParallelConfig, **options) -> dict:
+        from tenplex_megatron.legacy_write import write_legacy
+
+        return write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
+
+    @staticmethod
+    def verify(path: str, **options) -> dict:
+        from tenplex_megatron.verify import verify_legacy
+
+        return verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
+                             threads=options.get("threads", 8), progress=options.get("progress"))
 
 
 class _Dist:
+    """megatron-core ``dist_checkpointing`` (``torch_dist``) directories."""
+
     name = "megatron-dist"
 
     @staticmethod
     def detect(path: str) -> bool:
-        from tenplex_megatron.dist import is_dist
         return os.path.isdir(path) and is_dist(path)
 
     @staticmethod
-    def to_store(path: str, url: str, **options) -> None:
-        from tenplex_megatron.dist import read_dist
-        to_store(read_dist(path, _model_config(options)), url)
+    def describe(path: str, **options) -> Description:
+        from tenplex_megatron.dcp_read import describe_dist
+
+        return describe_dist(path, _model_config(options)).desc
+
+    @staticmethod
+    def open_source(path: str, **options):
+        from tenplex_megatron.dcp_source import open_dist
+
+        return open_dist(path, _model_config(options))
+
+    @staticmethod
+    def write(source, path: str, to: ParallelConfig, **options) -> dict:
+        from tenplex_megatron.dist_write import write_dist
+
+        return write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
 
     @staticmethod
     def reshard(src: str, dst: str, to: ParallelConfig, **options) -> dict | None:
-        """Direct dist-to-dist reshard (global tensors stay as they are), or None."""
-        from tenplex_megatron.dist import reshard_dist
+        """Direct dist-to-dist reshard (DCP items copied, vocab rows and args adjusted), or None."""
+        from tenplex_megatron.dist_direct import reshard_dist
+
         return reshard_dist(src, dst, to, _model_config(options))
 
     @staticmethod
-    def from_store(url: str, path: str, to: ParallelConfig | None = None) -> dict:
-        from tenplex_megatron.dist import write_dist
-        reader, cfg, meta = _store_parts(url)
-        config = to or reader.config
-        reader.tree.validate(config)
-        write_dist(path, url, reader, cfg, meta, config, _target_values(reader, config))
-        return _padding_report(reader, config)
+    def verify(path: str, **options) -> dict:
+        from tenplex_megatron.verify import verify_dist
+
+        return verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
+                           threads=options.get("threads", 8), progress=options.get("progress"))
 
 
 LEGACY = _Legacy()

@@ -1,68 +1,135 @@
-"""Megatron RNG state as JSON, and the rule for coordinates that are new.
+"""Megatron RNG state: kept by coordinate, re-derived from the seed where a coordinate is new.
 
-Megatron keeps RNG state per (tp, pp) rank: Python's, NumPy's, torch's CPU
-and CUDA generators, and the tensor-parallel tracker's named CUDA states.
+Megatron keeps RNG state per (tp, pp) rank, as a list over dp ranks (one
+entry unless ``data_parallel_random_init``): Python's, NumPy's and torch's
+CPU generator states, the device generator's (``cuda_rng_state``) and the
+tensor-parallel tracker's named device states (``rng_tracker_states``).
 tenplex keeps it **by coordinate**: a target rank whose (tp, pp) coordinate
 existed in the source gets that coordinate's state; a rank at a new
-coordinate gets a state **re-derived from the seed** the way Megatron seeds a
-fresh run (``megatron/training/initialize.py::_set_random_seed``: seed
-``args.seed + 100 * pp_rank``; the tracker's model-parallel stream
-``seed + 2718 + tp_rank``). One rank's state is never copied to others.
+coordinate gets a state **re-derived from the seed** as Megatron seeds a
+fresh run. One rank's state is never copied to another.
+
+Seeding rules (Megatron-LM ``megatron/training/initialize.py::_set_random_seed``
+and megatron-core 0.16 ``tensor_parallel/random.py::model_parallel_cuda_manual_seed``):
+``seed = args.seed + 100 * pp_rank`` (``+ 10 * dp_rank`` with
+``data_parallel_random_init``) seeds Python, NumPy, torch and the device
+generator; the tracker holds ``data-parallel-rng`` (``seed``),
+``model-parallel-rng`` (``seed + 2718 + tp_rank``) and
+``expert-parallel-rng`` (``seed + 1024 + 100 * ep_rank + etp_rank``; ep = etp = 0
+for dense models).
+
+A derived device state must fit the generator that restores it: a CUDA
+generator's state is 16 bytes (Philox seed and offset, little-endian
+``uint64`` and ``int64``; ``CUDAGeneratorImpl::get_state``), a CPU
+generator's is the Mersenne-Twister state (5056 bytes). The kind is taken
+from the source's own states; without any, it is CUDA.
 """
 
 from __future__ import annotations
 
-import base64
 import random
+import struct
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["encode", "decode", "derive"]
+__all__ = ["TRACKER_NAMES", "derive", "device_kind", "fill_states"]
+
+TRACKER_NAMES = ("data-parallel-rng", "model-parallel-rng", "expert-parallel-rng")
+"""The tracker's stream names in megatron-core 0.16 (``tensor_parallel/random.py``)."""
+
+_CPU_STATE_BYTES = torch.Generator().get_state().numel()
 
 
-def _tensor(t: torch.Tensor) -> dict:
-    return {"__tensor__": base64.b64encode(t.numpy().tobytes()).decode(), "dtype": str(t.dtype)}
+def _device_state(seed: int, kind: str) -> torch.Tensor:
+    if kind == "cuda":
+        return torch.frombuffer(bytearray(struct.pack("<Qq", seed, 0)), dtype=torch.uint8).clone()
+    return torch.Generator().manual_seed(seed).get_state()
 
 
-def encode(obj: Any) -> Any:
-    """JSON-able form of an RNG state structure (tensors and arrays as base64)."""
-    if isinstance(obj, torch.Tensor):
-        return _tensor(obj.detach().cpu().contiguous())
-    if isinstance(obj, np.ndarray):
-        return {"__ndarray__": base64.b64encode(obj.tobytes()).decode(), "dtype": str(obj.dtype)}
-    if isinstance(obj, tuple):
-        return {"__tuple__": [encode(x) for x in obj]}
-    if isinstance(obj, list):
-        return [encode(x) for x in obj]
+def device_kind(states: Any) -> str:
+    """``"cuda"`` or ``"cpu"``: the kind of device generator state in ``states``.
+
+    ``states`` is any structure of rank RNG states (lists, dicts); the size of
+    the first ``cuda_rng_state`` (or tracker state) found decides. Without
+    any, ``"cuda"`` (a GPU job). Anything but a CPU generator's state size
+    (5056 bytes) counts as CUDA (16 bytes today, 816 before torch 2.1).
+    """
+    found = _first_device_state(states)
+    if found is None:
+        return "cuda"
+    return "cpu" if found.numel() == _CPU_STATE_BYTES else "cuda"
+
+
+def _first_device_state(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, dict):
-        return {str(k): encode(v) for k, v in obj.items()}
-    return obj
+        for key in ("cuda_rng_state", "rng_tracker_states"):
+            value = obj.get(key)
+            if isinstance(value, torch.Tensor):
+                return value
+            if isinstance(value, dict):
+                for v in value.values():
+                    if isinstance(v, torch.Tensor):
+                        return v
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            found = _first_device_state(item) if isinstance(item, (dict, list, tuple)) else None
+            if found is not None:
+                return found
+    return None
 
 
-def decode(obj: Any) -> Any:
-    """Inverse of :func:`encode`."""
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            data = bytearray(base64.b64decode(obj["__tensor__"]))
-            return torch.frombuffer(data, dtype=getattr(torch, obj["dtype"].removeprefix("torch."))).clone()
-        if "__ndarray__" in obj:
-            return np.frombuffer(base64.b64decode(obj["__ndarray__"]), dtype=obj["dtype"]).copy()
-        if "__tuple__" in obj:
-            return tuple(decode(x) for x in obj["__tuple__"])
-        return {k: decode(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [decode(x) for x in obj]
-    return obj
+def derive(seed: int, tp_rank: int, pp_rank: int, *, dp_rank: int = 0,
+           dp_random_init: bool = False, kind: str = "cuda") -> dict:
+    """One rank's RNG state for a fresh start at (``tp_rank``, ``pp_rank``, ``dp_rank``).
+
+    Returns:
+        ``{"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state",
+        "rng_tracker_states"}`` as Megatron-LM's ``get_rng_state`` builds it;
+        device states are of ``kind`` (``"cuda"`` or ``"cpu"``).
+    """
+    base = seed + 100 * pp_rank + (10 * dp_rank if dp_random_init else 0)
+    tracker = {"data-parallel-rng": _device_state(base, kind),
+               "model-parallel-rng": _device_state(base + 2718 + tp_rank, kind),
+               "expert-parallel-rng": _device_state(base + 1024, kind)}
+    return {"random_rng_state": random.Random(base).getstate(),
+            "np_rng_state": np.random.RandomState(base).get_state(),
+            "torch_rng_state": torch.Generator().manual_seed(base).get_state(),
+            "cuda_rng_state": _device_state(base, kind),
+            "rng_tracker_states": tracker}
 
 
-def derive(seed: int, tp_rank: int, pp_rank: int) -> list[dict]:
-    """Megatron's ``rng_state`` list for a fresh start at (tp_rank, pp_rank)."""
-    base = seed + 100 * pp_rank
-    py = random.Random(base).getstate()
-    np_state = np.random.RandomState(base).get_state()
-    cpu = torch.Generator().manual_seed(base).get_state()
-    tracker = torch.Generator().manual_seed(base + 2718 + tp_rank).get_state()
-    return [{"random_rng_state": py, "np_rng_state": np_state, "torch_rng_state": cpu,
-             "cuda_rng_state": cpu, "rng_tracker_states": {"model-parallel-rng": tracker}}]
+def fill_states(states: dict[str, Any], coords, dp: int, *, seed: int, dp_random_init: bool,
+                kind: str) -> tuple[dict[str, list], list[str]]:
+    """RNG state lists for every target coordinate, and notes on what was derived.
+
+    Args:
+        states: ``{"tp=T,pp=P": list of rank states or None}`` for the target's
+            coordinates (None where the coordinate is new).
+        coords: the target's ``(tp_rank, pp_rank)`` coordinates.
+        dp: the target's dp (the list length with ``dp_random_init``).
+        seed: ``args.seed``.
+        dp_random_init: Megatron-LM's ``data_parallel_random_init``.
+        kind: the device generator kind (:func:`device_kind`).
+
+    Returns:
+        ``({"tp=T,pp=P": [state, ...]}, notes)``.
+    """
+    out, notes = {}, []
+    length = dp if dp_random_init else 1
+    if not any(states.values()):
+        notes.append(f"rng: the source stores no RNG state; every rank's state is derived from seed {seed}")
+    for t, p in coords:
+        key = f"tp={t},pp={p}"
+        kept = list(states.get(key) or [])
+        if not kept and any(states.values()):
+            notes.append(f"rng: {key} is a new coordinate; its state is derived from seed {seed}")
+        elif kept and len(kept) != length:
+            notes.append(f"rng: {key} held {len(kept)} dp states, the target needs {length}; "
+                         f"{'missing ones derived' if len(kept) < length else 'extra ones dropped'}")
+        full = kept[:length] + [derive(seed, t, p, dp_rank=d, dp_random_init=dp_random_init, kind=kind)
+                                for d in range(len(kept), length)]
+        out[key] = full
+    return out, notes

@@ -453,6 +453,24 @@ def safe_load(path, what: str | None = None, *, mmap: bool = False) -> Any:
     return _torch_load(path, what, False)
 
 
+def load_meta(f, what: str) -> Any:
+    """:func:`safe_load` of the seekable file ``f`` with every tensor on the ``meta`` device
+    (no tensor byte is read; ``torch.serialization`` sets each storage's file offset).
+
+    Raises:
+        UnsafePickleError, CorruptShardError: as :func:`safe_load`.
+    """
+    _validate(f, _stream_size(f), what, ALLOWED_GLOBALS)
+    try:
+        with _torch_globals(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(f, map_location="meta", weights_only=True)
+    except Exception as exc:  # validated, so any failure here is a file torch reads differently
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise UnsafePickleError(f"{what}: refusing unsafe unpickling (torch.load refused a file "
+                                f"tenplex had validated: {type(exc).__name__}: {first})") from None
+
+
 def tensor_header(f, what: str) -> tuple[torch.dtype, tuple]:
     """The dtype and shape of the one tensor saved alone with ``torch.save`` (a DCP item)
     in the seekable file ``f``, checked without reading its data.

@@ -8,9 +8,26 @@ model, optimizer and scheduler, and the tp/pp/dp ranks.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import time
+
+
+def rng_digest(state: dict) -> str:
+    """A digest of one rank's Megatron RNG state (Python, NumPy, torch, device and tracker states)."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    h.update(repr(state["random_rng_state"]).encode())
+    np_state = state["np_rng_state"]
+    h.update(repr((np_state[0],) + tuple(np_state[2:])).encode() + np.asarray(np_state[1]).tobytes())
+    for key in ("torch_rng_state", "cuda_rng_state"):
+        h.update(key.encode() + state[key].numpy().tobytes())
+    for name, value in sorted(state["rng_tracker_states"].items()):
+        h.update(name.encode() + value.numpy().tobytes())
+    return h.hexdigest()[:16]
+
 
 def log0(*msg) -> None:
     import torch.distributed as dist
@@ -43,7 +60,7 @@ class CheckpointMixin:
             untie_embeddings_and_output_weights=a.untie,
             normalization=a.norm,
             add_bias_linear=a.bias == "on",
-            add_qkv_bias=a.bias == "on",
+            add_qkv_bias=a.add_qkv_bias,
             vocab_size=a.vocab,
             padded_vocab_size=self.padded_vocab,
             make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
@@ -72,8 +89,10 @@ class CheckpointMixin:
             clip_grad=1.0,
             use_distributed_optimizer=a.dist_opt,
             fp16=False,
-            bf16=False,
-            params_dtype=self.torch.float32,
+            bf16=a.bf16,
+            params_dtype=self.dtype,
+            accumulate_allreduce_grads_in_fp32=True,
+            qk_layernorm=a.qk_layernorm,
             transformer_impl="local",
             ckpt_format="torch",
             use_dist_ckpt=False,
@@ -144,6 +163,8 @@ class CheckpointMixin:
         path = self.legacy_path(root)
         state = torch.load(path, map_location="cpu", weights_only=False)
         self.model.load_state_dict(state["model"], strict=True)
+        if self.a.load_rng:
+            self.restore_rng(state["rng_state"])
         if self.optimizer is not None and not self.a.no_load_optim and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.a.dist_opt:
@@ -155,6 +176,32 @@ class CheckpointMixin:
                 self.scheduler.load_state_dict(state["opt_param_scheduler"])
         self.dist.barrier()
         log0(f"TIME load_legacy {time.time() - t:.2f}")
+
+    def restore_rng(self, states: list) -> None:
+        """Megatron-LM's RNG restore (``load_checkpoint``), then a draw from every tracker stream
+        (which fails for a state of the wrong generator kind); prints the restored state's digest."""
+        import numpy as np
+        from megatron.core import tensor_parallel
+
+        torch = self.torch
+        state = states[self.dp_rank] if len(states) > 1 else states[0]
+        print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank} {rng_digest(state)}\n", end="", flush=True)
+        random.setstate(state["random_rng_state"])
+        np.random.set_state(state["np_rng_state"])
+        torch.set_rng_state(state["torch_rng_state"])
+        torch.Generator().set_state(state["cuda_rng_state"])  # the CPU shim's device generator
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        tracker.set_states(state["rng_tracker_states"])
+        for name in state["rng_tracker_states"]:
+            with tracker.fork(name):
+                torch.rand(1)
+
+    def rng_object(self):
+        """Megatron-LM's ``get_rng_state(ckpt_format='torch_dist')``: a ShardedObject on the (pp, tp) grid."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        return ShardedObject("rng_state", self.rng_state(), (self.a.pp, self.a.tp),
+                             (self.pp_rank, self.tp_rank), replica_id=self.dp_rank)
 
     # ------------------------------------------------------------------ dist format
     def sharded_sd_metadata(self):
@@ -179,6 +226,11 @@ class CheckpointMixin:
                   "optimizer": self.optimizer.sharded_state_dict(model_sd, metadata=md),
                   "opt_param_scheduler": self.scheduler.state_dict(),
                   "iteration": self.a.iteration}
+        if self.a.save_rng:
+            sd["rng_state"] = self.rng_object()
+            if self.dp_rank == 0:
+                print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp=0 {rng_digest(self.rng_state()[0])}\n",
+                      end="", flush=True)
         if self.a.dist_args == "on":  # Megatron-LM's generate_state_dict puts these in common.pt
             sd["args"] = self.megatron_args()
             sd["checkpoint_version"] = 3.0
@@ -249,9 +301,13 @@ class CheckpointMixin:
                   "opt_param_scheduler": None, "iteration": None}
             # Common (non-sharded) entries come back from common.pt.
             del sd["opt_param_scheduler"], sd["iteration"]
+        if self.a.load_rng:
+            sd["rng_state"] = self.rng_object()
         loaded = dist_checkpointing.load(sd, root)
         # save(..., content_metadata=md) stores md in common.pt; load returns it as a key.
         loaded.pop("content_metadata", None)
+        if self.a.load_rng:
+            self.restore_rng(loaded.pop("rng_state"))
         if with_optim:
             self.model.load_state_dict(loaded["model"], strict=True)
             self.optimizer.load_state_dict(loaded["optimizer"])

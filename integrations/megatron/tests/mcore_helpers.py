@@ -17,6 +17,10 @@ MODELS = {
     "mha": ("--layers 4 --hidden 64 --heads 8 --ffn 128 --position learned_absolute "
             "--vocab 100 --make-vocab-size-divisible-by 16 --seq 8"),
 }
+# GQA + SwiGLU with per-head query/key norms and a bias on linear_qkv only; RNG states saved in dist
+MODELS["qk"] = ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --ffn 96 --swiglu --position rope "
+                "--untie --vocab 100 --make-vocab-size-divisible-by 16 --seq 8 --qk-layernorm "
+                "--add-qkv-bias --save-rng")
 MODEL_JSON = {
     "gqa": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": 2,
             "ffn_hidden_size": 96, "swiglu": True, "position_embedding_type": "rope",
@@ -39,6 +43,15 @@ def run_worker(tp: int, pp: int, flags: str, *extra: str, dp: int = 1, timeout: 
 
 def tenplex(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["tenplex", *args], capture_output=True, text=True, timeout=300)
+
+
+def rng_lines(output: str) -> dict[tuple[int, int], str]:
+    """``{(tp, pp): digest}`` from the worker's ``RNG tp=T pp=P dp=D <digest>`` lines (dp 0)."""
+    import re
+
+    # ranks print concurrently, so lines may run together: match the records, not the lines
+    found = re.findall(r"RNG tp=(\d+) pp=(\d+) dp=(\d+) ([0-9a-f]{16})", output)
+    return {(int(tp), int(pp)): digest for tp, pp, dp, digest in found if dp == "0"}
 
 
 def losses(output: str) -> list[float]:

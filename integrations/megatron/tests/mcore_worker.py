@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--batch", type=int, default=2, help="global batch size")
     p.add_argument("--max-pos", type=int, default=None, help="max_position_embeddings (default seq)")
+    p.add_argument("--bf16", action="store_true", help="bf16 params (fp32 main params and grad reduction)")
+    p.add_argument("--qk-layernorm", action="store_true", help="per-head query/key norms")
+    p.add_argument("--add-qkv-bias", action="store_true", help="a bias on linear_qkv only")
     p.add_argument("--data-seed", type=int, default=4321)
     # actions
     p.add_argument("--load", choices=["none", "legacy", "dist"], default="none")
@@ -71,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="both: legacy under SAVE_DIR/legacy and dist under SAVE_DIR/dist")
     p.add_argument("--dist-args", choices=["on", "off"], default="on",
                    help="put args in a dist checkpoint's common.pt, as Megatron-LM does")
+    p.add_argument("--save-rng", action="store_true",
+                   help="dist saves: Megatron-LM's rng_state ShardedObject on the (pp, tp) grid")
+    p.add_argument("--load-rng", action="store_true",
+                   help="restore RNG states from the checkpoint and print 'RNG tp=T pp=P <digest>' lines")
     p.add_argument("--fresh-logits-out", default=None,
                    help="write the freshly initialized model's logits here, before loading")
     p.add_argument("--save-dir", default=None)
@@ -145,6 +152,7 @@ class Worker(CheckpointMixin):
         self.first = ps.is_pipeline_first_stage()
         self.last = ps.is_pipeline_last_stage()
         self.padded_vocab = padded_vocab_size(a.vocab, a.make_vocab_size_divisible_by, a.tp)
+        self.dtype = torch.bfloat16 if a.bf16 else torch.float32
         log0(f"TIME init {time.time() - t:.2f} (since process start {time.time() - _T0:.2f})")
         self.build()
 
@@ -166,8 +174,11 @@ class Worker(CheckpointMixin):
             add_bias_linear=a.bias == "on",
             tensor_model_parallel_size=a.tp,
             pipeline_model_parallel_size=a.pp,
-            pipeline_dtype=self.torch.float32,
-            params_dtype=self.torch.float32,
+            pipeline_dtype=self.dtype,
+            params_dtype=self.dtype,
+            bf16=a.bf16,
+            add_qkv_bias=a.add_qkv_bias,
+            qk_layernorm=a.qk_layernorm,
             use_cpu_initialization=True,
             hidden_dropout=0.0,
             attention_dropout=0.0,
@@ -189,7 +200,8 @@ class Worker(CheckpointMixin):
         self.config = self.transformer_config()
         self.model = GPTModel(
             config=self.config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=a.norm),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization=a.norm,
+                                                            qk_layernorm=a.qk_layernorm),
             vocab_size=self.padded_vocab,
             max_sequence_length=a.max_pos,
             pre_process=self.first,
@@ -198,6 +210,8 @@ class Worker(CheckpointMixin):
             share_embeddings_and_output_weights=not a.untie,
             position_embedding_type=a.position,
         )
+        if a.bf16:  # Megatron-LM's Float16Module converts the whole model, norms included
+            self.model.bfloat16()
         self.ddp = None
         self.optimizer = None
         self.scheduler = None
@@ -229,9 +243,9 @@ class Worker(CheckpointMixin):
             adam_eps=1e-8,
             use_distributed_optimizer=a.dist_opt,
             clip_grad=1.0,
-            bf16=False,
+            bf16=a.bf16,
             fp16=False,
-            params_dtype=self.torch.float32,
+            params_dtype=self.dtype,
         )
         self.opt_config = opt_config
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
@@ -274,7 +288,7 @@ class Worker(CheckpointMixin):
 
     # ------------------------------------------------------------------ fwd/bwd
     def _recv(self, shape, src):
-        t = self.torch.empty(shape, dtype=self.torch.float32)
+        t = self.torch.empty(shape, dtype=self.dtype)
         self.dist.recv(t, src=src)
         return t
 

@@ -1,6 +1,7 @@
 """Unit tests of the Megatron integration that need no megatron-core processes."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -8,9 +9,9 @@ import torch
 from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron.config import MegatronConfig, stage_layers, uneven_args
-from tenplex_megatron.layouts import megatron_tree, param_specs
-from tenplex_megatron.legacy import rank_keys
-from tenplex_megatron.rng import decode, derive, encode
+from tenplex_megatron.jsonable import from_jsonable, to_jsonable
+from tenplex_megatron.layouts import megatron_tree, param_specs, rank_keys
+from tenplex_megatron.rng import derive
 from tenplex_megatron.safe_load import safe_load
 
 CFG = MegatronConfig(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
@@ -85,8 +86,119 @@ def test_unsafe_pickles_are_refused(tmp_path):
 
 
 def test_rng_state_round_trips_through_json():
-    state = derive(1234, tp_rank=1, pp_rank=0)
-    back = decode(encode(state))
+    state = [derive(1234, tp_rank=1, pp_rank=0, kind="cpu")]
+    back = from_jsonable(json.loads(json.dumps(to_jsonable(state))))
     assert torch.equal(back[0]["torch_rng_state"], state[0]["torch_rng_state"])
     assert back[0]["random_rng_state"] == state[0]["random_rng_state"]
     assert (back[0]["np_rng_state"][1] == state[0]["np_rng_state"][1]).all()
+
+
+def test_derived_rng_states_fit_their_generators():
+    """CPU kind: valid Mersenne-Twister states seeded as Megatron seeds; CUDA kind: 16-byte Philox
+    (seed, offset 0) states, which a CPU generator refuses (torch's CUDAGeneratorImpl::get_state)."""
+    import struct
+
+    from tenplex_megatron.rng import device_kind
+
+    base = 1234 + 100 * 2
+    cpu = derive(1234, tp_rank=1, pp_rank=2, kind="cpu")
+    torch.Generator().set_state(cpu["cuda_rng_state"])
+    assert torch.equal(cpu["rng_tracker_states"]["model-parallel-rng"],
+                       torch.Generator().manual_seed(base + 2718 + 1).get_state())
+    cuda = derive(1234, tp_rank=1, pp_rank=2, kind="cuda")
+    tracker = cuda["rng_tracker_states"]
+    for state, seed in [(cuda["cuda_rng_state"], base), (tracker["data-parallel-rng"], base),
+                        (tracker["model-parallel-rng"], base + 2718 + 1),
+                        (tracker["expert-parallel-rng"], base + 1024)]:
+        assert state.dtype == torch.uint8 and state.numel() == 16
+        assert struct.unpack("<Qq", bytes(state.tolist())) == (seed, 0)
+    with pytest.raises(RuntimeError):
+        torch.Generator().set_state(cuda["cuda_rng_state"])
+    assert torch.equal(cuda["torch_rng_state"], cpu["torch_rng_state"])  # the CPU generator either way
+    assert device_kind([cpu]) == "cpu" and device_kind([cuda]) == "cuda" and device_kind({}) == "cuda"
+
+
+def test_tracker_names_are_megatron_cores():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from tenplex_megatron.rng import TRACKER_NAMES
+
+    names = {mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, mrandom._DATA_PARALLEL_RNG_TRACKER_NAME,
+             mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME}
+    assert set(TRACKER_NAMES) == names == set(derive(1, 0, 0)["rng_tracker_states"])
+
+
+def test_rng_states_are_kept_by_coordinate_and_derived_where_new():
+    from tenplex_megatron.rng import fill_states
+
+    kept = [derive(7, 0, 0, kind="cpu")]
+    states, notes = fill_states({"tp=0,pp=0": kept, "tp=1,pp=0": None}, [(0, 0), (1, 0)], 2, seed=7,
+                                dp_random_init=False, kind="cpu")
+    assert states["tp=0,pp=0"] is not kept and states["tp=0,pp=0"][0] is kept[0]
+    assert torch.equal(states["tp=1,pp=0"][0]["rng_tracker_states"]["model-parallel-rng"],
+                       derive(7, 1, 0, kind="cpu")["rng_tracker_states"]["model-parallel-rng"])
+    assert notes == ["rng: tp=1,pp=0 is a new coordinate; its state is derived from seed 7"]
+    states, notes = fill_states({"tp=0,pp=0": kept}, [(0, 0)], 2, seed=7, dp_random_init=True, kind="cpu")
+    assert len(states["tp=0,pp=0"]) == 2 and "missing ones derived" in notes[0]
+    _, notes = fill_states({}, [(0, 0)], 1, seed=7, dp_random_init=False, kind="cuda")
+    assert notes == ["rng: the source stores no RNG state; every rank's state is derived from seed 7"]
+
+
+def test_jsonable_round_trips_exactly():
+    import numpy as np
+
+    obj = {"a": (1, [2.5, None]), "t": torch.arange(6, dtype=torch.uint8).view(2, 3),
+           "n": np.arange(4, dtype=np.uint32), "d": torch.bfloat16, "s": "x"}
+    back = from_jsonable(json.loads(json.dumps(to_jsonable(obj))))
+    assert back["a"] == (1, [2.5, None]) and back["d"] is torch.bfloat16 and back["s"] == "x"
+    assert torch.equal(back["t"], obj["t"]) and back["t"].shape == (2, 3)
+    assert back["n"].dtype == np.uint32 and (back["n"] == obj["n"]).all()
+    with pytest.raises(ManifestError, match="a Evil cannot be kept as JSON"):
+        to_jsonable({"x": Evil()})
+
+
+def test_tensor_refs_read_only_what_is_asked(tmp_path):
+    import numpy as np
+
+    from tenplex_megatron.ptfile import load_refs
+
+    w = torch.randn(1024, 256)  # 1 MiB: the two runs below lie more than ptfile.GAP apart
+    torch.save({"w": w, "args": argparse.Namespace(x=1)}, tmp_path / "a.pt")
+    obj, n = load_refs(str(tmp_path / "a.pt"))
+    assert obj["args"].x == 1 and n < 8192 < w.numel() * 4
+    ref = obj["w"]
+    got, read = ref.read(np.array([1024, 900000]), np.array([2048, 900004]))
+    assert read == 1024 + 4
+    assert torch.equal(got.view(-1)[256:512], w.view(-1)[256:512]) and got.view(-1)[225000] == w.view(-1)[225000]
+    torch.save({"t": torch.ones(3, 4).t()}, tmp_path / "b.pt")
+    with pytest.raises(ManifestError, match="not contiguous"):
+        load_refs(str(tmp_path / "b.pt"))
+    data = (tmp_path / "a.pt").read_bytes()
+    (tmp_path / "c.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ManifestError, match="not a readable torch.save file"):
+        load_refs(str(tmp_path / "c.pt"))
+
+
+def test_no_import_cycles_and_the_cli_knows_no_megatron():
+    """Every import, in functions too: tenplex_megatron's modules form no cycle, and tenplex/cli
+    imports nothing of tenplex_megatron (the demo and formats come through entry points)."""
+    import ast
+    import pathlib
+
+    import networkx as nx
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "tenplex_megatron"
+    graph = nx.DiGraph()
+    for path in root.rglob("*.py"):
+        mod = "tenplex_megatron." + ".".join(path.relative_to(root).with_suffix("").parts)
+        mod = mod.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name.startswith("tenplex_megatron") and name != mod:
+                    graph.add_edge(mod, name)
+    assert list(nx.simple_cycles(graph)) == []
+    cli = pathlib.Path(__file__).resolve().parents[3] / "tenplex" / "cli"
+    for path in cli.glob("*.py"):
+        assert "tenplex_megatron" not in path.read_text(), path

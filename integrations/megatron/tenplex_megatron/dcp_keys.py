@@ -1,0 +1,90 @@
+"""The keys of a megatron-core ``torch_dist`` checkpoint, and what each must hold.
+
+Tensors are global (model space), layers stacked on a leading axis, norms
+under TE-style names (:mod:`tenplex_megatron.layouts`). Optimizer state is
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` (``fully_reshardable``)
+or flat buffers per model-parallel rank and bucket (``dp_reshardable``,
+:mod:`tenplex_megatron.flatbuf`). Byte objects are megatron-core
+``ShardedObject`` s, stored under ``<key>/shard_<offset>_<shape>``
+(``dist_checkpointing/mapping.py::ShardedObject.unique_key``):
+``<linear>._extra_state/shard_<layer>_<L>``, Megatron-LM's
+``rng_state/shard_<pp>.<tp>_<PP>.<TP>`` and the ``dp_reshardable``
+bookkeeping objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from tenplex.ptree.sharding import Sharding
+
+from tenplex_megatron.config import MegatronConfig
+from tenplex_megatron.layouts import OPTIMIZER_STATES, param_specs
+
+__all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+           "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS"]
+
+FLAT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                      r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
+OBJECT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
+EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)_(\d+)$")
+RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
+DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
+
+
+def is_dist(root: str) -> bool:
+    """Whether ``root`` is a ``torch_dist`` directory (its ``metadata.json`` says so)."""
+    try:
+        with open(os.path.join(root, "metadata.json")) as f:
+            return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def flat_key(m: int, bucket: int, state: str, dtypes) -> str:
+    """The DCP key of one ``dp_reshardable`` buffer: model-parallel rank ``m``, ``bucket``, ``state``."""
+    return (f"optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_({dtypes[0]}, {dtypes[1]})."
+            f"bucket_idx_{bucket}.{state}")
+
+
+def object_key(m: int, name: str) -> str:
+    return f"optimizer.distributed.dp_group_idx_{m}.{name}/shard_0_1"
+
+
+def rng_key(tp_rank: int, pp_rank: int, tp: int, pp: int) -> str:
+    """Megatron-LM's ``ShardedObject('rng_state', ..., (pp, tp), (pp_rank, tp_rank))`` key."""
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
+                     ) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
+    """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
+
+    Shapes are padded at ``sharding.config``'s tp; layer tensors are stacked
+    ``[num_layers, ...]`` and ``layer`` is set for each layer's path (one key
+    holds every layer, so the returned path is layer 0's).
+    """
+    out: dict = {}
+    prefixes = [("", None)] + ([(f"optimizer.state.{s}.", s) for s in OPTIMIZER_STATES]
+                               if optim == "fully_reshardable" else [])
+    for spec in param_specs(cfg):
+        if spec.layer not in (None, 0):
+            continue
+        shape = sharding.physical_shape(spec.leaf)
+        if spec.layer is not None:
+            shape = (cfg.num_layers,) + shape
+        for prefix, state in prefixes:
+            dtype = spec.leaf.dtype if state is None else "float32"
+            out[prefix + spec.dist] = (shape, dtype, spec.path, spec.layer)
+    return out
+
+
+def classify(key: str) -> str:
+    """``"flat"``, ``"dp_object"``, ``"extra_state"``, ``"rng"`` or ``"other"`` for a DCP key."""
+    for name, pattern in (("flat", FLAT_KEY), ("dp_object", OBJECT_KEY), ("rng", RNG_KEY),
+                          ("extra_state", EXTRA_KEY)):
+        if pattern.match(key):
+            return name
+    return "other"

@@ -1,0 +1,277 @@
+"""megatron-core ``torch_dist`` directories, described from DCP's metadata and read by byte ranges.
+
+A directory holds PyTorch DCP files (``.metadata``, ``__R_I.distcp``),
+``common.pt`` (the non-sharded part: iteration, scheduler, optimizer param
+groups, args) and ``metadata.json``. :func:`describe_dist` reads only
+``.metadata`` (through :mod:`tenplex_megatron.dcp_safe`'s allow-listed
+unpickler) and ``common.pt``, and checks every key against the model config
+(:mod:`tenplex_megatron.dcp_keys`): an unknown key, a missing one, or a
+shape or dtype other than the model's is an error. :class:`DistSource`
+reads a rank's local tensor from the DCP chunks that overlap it: each chunk
+is a ``torch.save`` blob at a recorded byte range of a ``.distcp`` file,
+whose tensor bytes :func:`tenplex_megatron.ptfile.load_refs` locates.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from tenplex.errors import ConfigError, ManifestError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.sharding import Piece, Sharding
+from tenplex.ptree.tree import torch_dtype
+
+from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab, stage_layers
+from tenplex_megatron.dcp_keys import (DP_OBJECTS, EXTRA_KEY, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
+                                       expected_tensors, flat_key, is_dist, object_key)
+from tenplex_megatron.dcp_safe import SafeReader, read_objects
+from tenplex_megatron.description import Description
+from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_layout
+from tenplex_megatron.jsonable import to_jsonable
+from tenplex_megatron.layouts import EXTRA_STATE_LINEARS, OPTIMIZER_STATES, megatron_tree
+from tenplex_megatron.safe_load import safe_load
+
+__all__ = ["is_dist", "describe_dist", "DcpRecord", "read_common", "rng_coords", "FoundDist"]
+
+_COMMON_KNOWN = {"content_metadata", "iteration", "opt_param_scheduler", "optimizer", "args",
+                 "checkpoint_version", "num_floating_point_operations_so_far"}
+
+
+def read_common(root: str) -> dict:
+    """``common.pt`` (allow-listed unpickling), or ``{}`` when there is none."""
+    path = os.path.join(root, "common.pt")
+    if not os.path.exists(path):
+        return {}
+    common = safe_load(path)
+    if not isinstance(common, dict):
+        raise ManifestError(f"{path}: expected a dict, found {type(common).__name__}")
+    return common
+
+
+@dataclass(frozen=True)
+class DcpRecord:
+    """A rank's local tensor made of boxes of one DCP tensor.
+
+    Attributes:
+        key: the DCP key.
+        prefix: leading coordinates in the DCP tensor (the layer of a stacked key).
+        pieces: the boxes (global coordinates without ``prefix``) and their places locally.
+        shape: the local tensor's shape.
+        dtype: its dtype.
+    """
+
+    key: str
+    prefix: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _optim_type(common: dict, keys) -> str | None:
+    kind = (common.get("optimizer") or {}).get("param_state_sharding_type") \
+        or (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if kind is None and any(k.startswith("optimizer.state.") for k in keys):
+        kind = "fully_reshardable"
+    if kind is None and any(FLAT_KEY.match(k) for k in keys):
+        kind = "dp_reshardable"
+    if kind not in (None, "fully_reshardable", "dp_reshardable"):
+        raise ManifestError(f"optimizer sharding type {kind!r} is not supported; save with "
+                            "fully_reshardable or dp_reshardable")
+    return kind
+
+
+def _grid(cfg, args, md, optim, where) -> tuple[int, int]:
+    """The saver's (tp, pp): from args, else the RNG objects' grid, else buffers or vocab rows."""
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    if tp and pp:
+        return tp, pp
+    grids = {(int(m.group(4)), int(m.group(3))) for k in md.state_dict_metadata
+             if (m := RNG_KEY.match(k))}
+    if len(grids) == 1:
+        return grids.pop()
+    if optim == "dp_reshardable":
+        return _buffer_grid(cfg, md, where)
+    rows = md.state_dict_metadata["embedding.word_embeddings.weight"].size[0] \
+        if "embedding.word_embeddings.weight" in md.state_dict_metadata else None
+    tree = megatron_tree(cfg)
+    for t in (1, 2, 4, 8, 16, 32, 64):
+        if rows is None or cfg.padded_vocab(t) == rows:
+            try:
+                tree.validate(ParallelConfig(tp=t))
+            except ConfigError:
+                continue
+            return t, 1
+    raise ConfigError(f"{where}: the checkpoint stores {rows} vocabulary rows, but vocab_size="
+                      f"{cfg.vocab_size} (make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}) "
+                      "pads to that at no tp this model allows; tenplex neither truncates nor invents "
+                      "vocabulary rows: give the tokenizer's vocabulary size with --model-config")
+
+
+def _buffer_grid(cfg, md, where) -> tuple[int, int]:
+    sizes = {(int(m.group(1)), int(m.group(5))): v.size[0] for k, v in md.state_dict_metadata.items()
+             if (m := FLAT_KEY.match(k)) and m.group(6) == "param"}
+    groups = 1 + max((g for g, _ in sizes), default=0)
+    matches = []
+    for tp in (t for t in range(1, groups + 1) if groups % t == 0):
+        config = ParallelConfig(1, tp, groups // tp)
+        try:
+            megatron_tree(cfg).validate(config)
+        except ConfigError:
+            continue
+        want = {(t + tp * p, b): n for p in range(config.pp)
+                for b, (_, n, _) in enumerate(buffer_layout(cfg, config, p, 1)) for t in range(tp)}
+        if want == sizes:
+            matches.append((tp, groups // tp))
+    if len(matches) != 1:
+        raise ConfigError(f"{where}: cannot tell the saver's tp and pp from {groups} optimizer buffer "
+                          f"groups ({len(matches)} candidates); the checkpoint has no args")
+    return matches[0]
+
+
+def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | None:
+    """Every DCP key is known and holds what the model config says; returns the buffer dtypes."""
+    expected = expected_tensors(cfg, sharding, optim)
+    config = sharding.config
+    found_flat: set = set()
+    for key, item in md.state_dict_metadata.items():
+        kind = classify(key)
+        if isinstance(item, TensorStorageMetadata) and key in expected:
+            shape, dtype, _, _ = expected[key]
+            if tuple(item.size) != shape or item.properties.dtype != torch_dtype(dtype):
+                raise ManifestError(f"{where}: {key} is stored as {list(item.size)} "
+                                    f"{item.properties.dtype}; the model config gives {list(shape)} "
+                                    f"torch.{dtype} (tenplex never casts or reshapes on read)")
+        elif isinstance(item, TensorStorageMetadata) and kind == "flat" and optim == "dp_reshardable":
+            m, g, pd, gd, b, state = FLAT_KEY.match(key).groups()
+            dtypes = dtypes or (pd, gd)
+            layout = buffer_layout(cfg, config, int(m) // config.tp, 1) if int(m) < config.world_size else []
+            if int(g) or (pd, gd) != dtypes or int(b) >= len(layout) or state not in OPTIMIZER_STATES \
+                    or tuple(item.size) != (layout[int(b)][1],) or item.properties.dtype != FLAT_DTYPE:
+                raise ManifestError(f"{where}: optimizer buffer {key} ({list(item.size)} "
+                                    f"{item.properties.dtype}) does not fit the model's buffer layout at "
+                                    f"tp={config.tp}, pp={config.pp}")
+            found_flat.add(key)
+        elif isinstance(item, BytesStorageMetadata) and kind in ("extra_state", "rng", "dp_object"):
+            _check_object(key, kind, cfg, config, where)
+        else:
+            raise ManifestError(f"{where}: unknown key {key}; tenplex keeps every tensor of a checkpoint, "
+                                "and this one is not part of the model config")
+    missing = sorted(set(expected) - set(md.state_dict_metadata))
+    if optim == "dp_reshardable":
+        dtypes = dtypes or ("torch.float32", "torch.float32")
+        missing += sorted({flat_key(t + config.tp * p, b, s, dtypes) for p in range(config.pp)
+                           for t in range(config.tp)
+                           for b in range(len(buffer_layout(cfg, config, p, 1)))
+                           for s in OPTIMIZER_STATES} - found_flat)
+    if missing:
+        raise ManifestError(f"{where}: tensor {missing[0]} is missing"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                            + "; tenplex never invents model or optimizer state")
+    return dtypes
+
+
+def _check_object(key, kind, cfg, config, where) -> None:
+    ok = True
+    if kind == "extra_state":
+        module, layer, layers = EXTRA_KEY.match(key).groups()
+        ok = module in {f"decoder.layers.{x}" for x in EXTRA_STATE_LINEARS} | {"output_layer"} \
+            and int(layers) == cfg.num_layers and int(layer) < cfg.num_layers
+    elif kind == "rng":
+        p, t, pp, tp = map(int, RNG_KEY.match(key).groups())
+        ok = (pp, tp) == (config.pp, config.tp) and p < pp and t < tp
+    elif kind == "dp_object":
+        m, name = OBJECT_KEY.match(key).groups()
+        ok = int(m) < config.world_size and name in DP_OBJECTS
+    if not ok:
+        raise ManifestError(f"{where}: object {key} does not fit the model (num_layers="
+                            f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
+
+
+def rng_coords(md) -> dict[str, str]:
+    """``{"tp=T,pp=P": DCP key}`` of the stored RNG states."""
+    out = {}
+    for key in md.state_dict_metadata:
+        m = RNG_KEY.match(key)
+        if m:
+            out[f"tp={int(m.group(2))},pp={int(m.group(1))}"] = key
+    return out
+
+
+class FoundDist(NamedTuple):
+    """What :func:`describe_dist` found.
+
+    Attributes:
+        desc: the description.
+        md: DCP's ``Metadata`` (read with the allow-listed unpickler).
+        bytes_read: bytes read to describe it.
+    """
+
+    desc: Description
+    md: Any
+    bytes_read: int
+
+
+def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
+    """Describe a ``torch_dist`` directory from ``.metadata`` and ``common.pt`` (no tensor is read).
+
+    Raises:
+        ManifestError: not a ``torch_dist`` directory, an unsafe pickle, an
+            unknown, missing or mis-shaped key.
+        ConfigError: no model config can be found, or the stored vocabulary
+            rows do not fit it.
+    """
+    if not is_dist(root):
+        raise ManifestError(f"{root}: no metadata.json with sharded_backend 'torch_dist'")
+    common = read_common(root)
+    args = common.get("args")
+    if model_config is None and args is None:
+        raise ConfigError(f"{root}: common.pt has no args; pass the model config "
+                          "(--model-config FILE.json, see docs/megatron.md)")
+    cfg = MegatronConfig.from_args(args, model_config)
+    md = SafeReader(root).read_metadata()
+    optim = _optim_type(common, md.state_dict_metadata)
+    tp, pp = _grid(cfg, args, md, optim, root)
+    config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
+    emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
+    check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
+    tree = megatron_tree(cfg, optimizer=optim is not None)
+    dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
+    nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
+                 if os.path.exists(os.path.join(root, f)))
+    optimizer = common.get("optimizer") or {}
+    unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"})
+    if unknown:
+        raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
+    groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
+    if optim == "dp_reshardable":
+        key = object_key(0, "optimizer")
+        obj = read_objects(root, md, key).get(key) if key in md.state_dict_metadata else None
+        groups = (obj[0] if isinstance(obj, list) and obj else {}).get("param_groups", [])
+    extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
+    values = {
+        "megatron/iteration": common.get("iteration", 0),
+        "megatron/checkpoint_version": common.get("checkpoint_version"),
+        "megatron/args": args_to_json(args) if args is not None else None,
+        "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),
+        "megatron/optimizer": None if optim is None else
+        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": None,
+         "grad_scaler": to_jsonable(optimizer.get("grad_scaler"), "grad_scaler")},
+        "megatron/num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far"),
+        "megatron/rng_state": sorted(rng_coords(md)),
+        "megatron/extra": extra or None,
+    }
+    meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim,
+                         "buffer_dtypes": list(dtypes) if dtypes else None,
+                         "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
+    return FoundDist(Description(cfg, config, tree, values, meta), md, nbytes)

@@ -1,0 +1,245 @@
+"""Megatron checkpoints are read in place: metadata only for inspect and plan, files checked on disk
+by verify, and every lie or gap refused (real megatron-core checkpoints, edited where a test says so)."""
+
+import builtins
+import io
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mcore_helpers import run_worker, tenplex
+from tenplex.cli.main import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+# ~55 MB of fp32 weights: the files' pickles and DCP's metadata are a small fraction of it
+BIG = ("--layers 4 --hidden 512 --heads 8 --ffn 2048 --position rope --untie --vocab 1024 "
+       "--make-vocab-size-divisible-by 128 --seq 8")
+SMALL = ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
+         "--vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --batch 4")
+
+
+def dir_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    d = tmp_path_factory.mktemp("big")
+    run_worker(2, 2, BIG, "--save", "both", "--save-dir", str(d))
+    return d
+
+
+class _CountingFile(io.FileIO):
+    counted = 0
+
+    def readinto(self, b):
+        n = super().readinto(b)
+        _CountingFile.counted += n or 0
+        return n
+
+
+def _counting_open(real):
+    def wrapped(file, mode="r", buffering=-1, *args, **kwargs):
+        if "r" in mode and "b" in mode and "+" not in mode and not isinstance(file, int):
+            raw = _CountingFile(file, "rb")
+            return raw if buffering == 0 else io.BufferedReader(raw)
+        return real(file, mode, buffering, *args, **kwargs)
+    return wrapped
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_inspect_and_plan_read_under_one_percent_of_the_bytes(big, monkeypatch, capsys, fmt):
+    root = str(big / fmt)
+    total = dir_bytes(root)
+    assert main(["inspect", root]) == 0  # imports and entry points loaded before counting
+    monkeypatch.setattr(builtins, "open", _counting_open(builtins.open))
+    monkeypatch.setattr(io, "open", builtins.open)
+    for argv in (["inspect", root, "--json"], ["plan", root, "--to", "tp=1,pp=4", "--json"]):
+        _CountingFile.counted = 0
+        assert main(argv) == 0
+        read = _CountingFile.counted
+        assert 0 < read < 0.01 * total, (argv[0], read, total)
+    monkeypatch.undo()
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
+    assert info["config"]["tp"] == 2 and info["config"]["pp"] == 2
+
+
+def test_verify_checks_the_files_on_disk(sources, tmp_path):
+    source = sources("mha", 2, 2)
+    for fmt in ("legacy", "dist"):
+        done = tenplex("verify", str(source / fmt), "--checksums")
+        assert done.returncode == 0, done.stderr
+        assert "CRC-32 verified" in done.stdout and done.stdout.count("xxh3-128 ") >= 4
+    legacy = tmp_path / "legacy"
+    shutil.copytree(source / "legacy", legacy)
+    path = legacy / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt"
+    _flip_byte_of(path, torch.load(path, weights_only=False)["model"]["decoder.layers.1.mlp.linear_fc1.weight"])
+    done = tenplex("verify", str(legacy))
+    assert done.returncode == 1 and "fails its CRC-32 check" in done.stderr and "mp_rank_01_001" in done.stderr
+    dist = tmp_path / "dist"
+    shutil.copytree(source / "dist", dist)
+    with open(dist / "__3_1.distcp", "r+b") as f:  # truncated: items now end past the file
+        f.truncate(os.path.getsize(dist / "__3_1.distcp") - 100)
+    done = tenplex("verify", str(dist))
+    assert done.returncode == 1 and "__3_1.distcp" in done.stderr, done.stderr
+
+
+def _flip_byte_of(path, tensor) -> None:
+    """Flip one byte inside ``tensor``'s stored bytes (found by its exact content)."""
+    data = bytearray(open(path, "rb").read())
+    raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    at = data.find(raw)
+    assert at > 0
+    data[at + len(raw) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_tied_copies_are_compared(sources, tmp_path):
+    legacy = tmp_path / "legacy"
+    shutil.copytree(sources("mha", 2, 2) / "legacy", legacy)
+    path = legacy / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["output_layer.weight"][3, 5] += 1.0
+    torch.save(state, path)
+    done = tenplex("reshard", str(legacy), str(tmp_path / "out"), "--to", "tp=1,pp=2")
+    assert done.returncode == 1 and not (tmp_path / "out").exists()
+    assert "copies differ: model/embedding/word_embeddings/weight (tp rank 1) on stage 0 and on stage 1" \
+        in done.stderr
+
+
+def _model_config(tmp_path, **fields):
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+def test_no_dtype_casts_on_read(sources, tmp_path):
+    """The model config says bfloat16, the files hold float32: refused, never cast."""
+    cfg = _model_config(tmp_path, params_dtype="bfloat16")
+    for fmt in ("legacy", "dist"):
+        done = tenplex("--model-config", cfg, "reshard", str(sources("mha", 2, 2) / fmt),
+                       str(tmp_path / fmt), "--to", "tp=1,pp=2")
+        assert done.returncode == 1 and not (tmp_path / fmt).exists()
+        assert "torch.float32; the model config gives" in done.stderr and "never casts" in done.stderr
+
+
+def test_a_smaller_vocab_is_refused_not_truncated(sources, model_config_file, tmp_path):
+    fields = json.loads(model_config_file.read_text())
+    cfg = _model_config(tmp_path, **{**fields, "vocab_size": 50})
+    done = tenplex("--model-config", cfg, "reshard", str(sources("gqa", 2, 1) / "dist"),
+                   str(tmp_path / "out"), "--to", "tp=1")
+    assert done.returncode == 1 and not (tmp_path / "out").exists()
+    assert "stores 128 vocabulary rows, but vocab_size=50 (make_vocab_size_divisible_by=16) pads to that " \
+        "at no tp" in done.stderr
+    done = tenplex("--model-config", _model_config(tmp_path, vocab_size=50), "inspect",
+                   str(sources("mha", 2, 2) / "legacy"))
+    assert done.returncode == 1 and "the args say vocab_size=100" in done.stderr
+
+
+def test_unknown_tensors_are_refused_by_name(sources, tmp_path):
+    """An extra key (say an MoE router) is an error naming it, in both formats."""
+    legacy = tmp_path / "legacy"
+    shutil.copytree(sources("mha", 2, 2) / "legacy", legacy)
+    path = legacy / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"]["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 64)
+    torch.save(state, path)
+    done = tenplex("inspect", str(legacy))
+    assert done.returncode == 1 and "unexpected key decoder.layers.0.mlp.router.weight" in done.stderr
+    dist = tmp_path / "dist"
+    shutil.copytree(sources("mha", 2, 2) / "dist", dist)
+    _alias_key(dist, "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.router.weight")
+    done = tenplex("reshard", str(dist), str(tmp_path / "out"), "--to", "tp=1,pp=2", "--format", "tenplex")
+    assert done.returncode == 1 and "unknown key decoder.layers.mlp.router.weight" in done.stderr
+
+
+def _alias_key(root, existing: str, new: str) -> None:
+    """Give the DCP tensor ``existing`` a second name in ``.metadata`` (its chunks are shared)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    with open(root / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    md.state_dict_metadata[new] = md.state_dict_metadata[existing]
+    for index, info in list(md.storage_data.items()):
+        if index.fqn == existing:
+            md.storage_data[MetadataIndex(new, index.offset)] = info
+    with open(root / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def test_a_missing_adam_moment_is_an_error(tmp_path):
+    run_worker(1, 1, SMALL + " --train-steps 1", "--save", "legacy", "--save-dir", str(tmp_path / "src"))
+    path = tmp_path / "src" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    del state["optimizer"]["state"][3]["exp_avg_sq"]
+    torch.save(state, path)
+    done = tenplex("reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "tp=2")
+    assert done.returncode == 1 and not (tmp_path / "out").exists()
+    assert "Adam exp_avg_sq of" in done.stderr and "(optimizer index 3) is missing" in done.stderr
+
+
+OPT = SMALL + " --train-steps 1 --dist-opt"
+
+
+@pytest.fixture(scope="module")
+def opt_source(tmp_path_factory):
+    """Adam state from megatron-core's distributed optimizer: legacy distrib_optim.pt and dp_reshardable."""
+    d = tmp_path_factory.mktemp("opt")
+    run_worker(2, 1, OPT, "--sharding-type", "dp_reshardable", "--save", "both", "--save-dir", str(d))
+    return d
+
+
+def _open(path: str):
+    from tenplex.store.reader import StoreReader
+    from tenplex_megatron.plugin import DIST, LEGACY
+
+    for plugin in (LEGACY, DIST):
+        if plugin.detect(path):
+            return plugin.open_source(path)
+    return StoreReader(path)
+
+
+def _global(source, path: str) -> torch.Tensor:
+    """Leaf ``path``'s global tensor (logical rows), assembled from every rank that holds part of it."""
+    from tenplex.ptree.shards import assemble
+
+    config = source.config
+    shards = {r: {} for r in range(config.world_size)}
+    for r in range(config.world_size):
+        if source.sharding.holding(path, config.coord(r)) is not None:
+            shards[r][path] = source.read(source.record(path, r))
+    sub = type(source.tree)({path: source.tree[path]}, source.tree.num_layers)
+    return assemble(sub, config, shards, padded=False)[path]
+
+
+@given(st.sampled_from(["mha/legacy", "mha/dist", "opt/legacy", "opt/dist"]),
+       st.sampled_from(["megatron-legacy", "megatron-dist", "tenplex"]),
+       st.sampled_from([1, 2]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 3]))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_conversions_keep_every_global_tensor(sources, opt_source, tmp_path_factory, src, fmt, tp, pp, dp):
+    """Any source format to any target format and config: every global tensor (model and optimizer
+    state, logical rows) is bit-for-bit the source's, read back through tenplex's readers."""
+    from tenplex.cli.convert import write_store
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex_megatron.plugin import DIST, LEGACY
+
+    model, kind = src.split("/")
+    root = str((sources("mha", 2, 2) if model == "mha" else opt_source) / kind)
+    out = str(tmp_path_factory.mktemp("conv") / "out")
+    source, to = _open(root), ParallelConfig(dp, tp, pp)
+    if fmt == "tenplex":
+        write_store(source, out, to)
+    else:
+        (LEGACY if fmt == "megatron-legacy" else DIST).write(source, out, to)
+    back = _open(out)
+    assert back.config.tp == tp and back.config.pp == pp
+    assert [p for p, _ in back.tree.tensors()] == [p for p, _ in source.tree.tensors()]
+    for path, _ in source.tree.tensors():
+        assert torch.equal(_global(source, path), _global(back, path)), path
