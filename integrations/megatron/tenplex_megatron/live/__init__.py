@@ -1,0 +1,1 @@
+"""Live state of a running megatron-core job: export, import, change, recover."""
