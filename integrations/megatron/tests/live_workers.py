@@ -63,19 +63,20 @@ def setup(process: int, port: int):
     return Membership(store, process, timeout=datetime.timedelta(seconds=120))
 
 
-def start(config, corpus, steps: int, tree=None):
+def start(config, corpus, steps: int, tree=None, opts=None):
     """Fresh parts at ``config`` from the step-0 state; ``steps`` steps; ``(parts, losses)``."""
     import torch.distributed as dist
     from tenplex.ptree.shards import materialize
     from tenplex_megatron.demo.job import build, initial_state, live_spec, train_step
     from tenplex_megatron.live.state import import_state
 
-    spec = live_spec(MODEL, options())
+    opts = opts or options()
+    spec = live_spec(MODEL, opts)
     tree = tree or spec.tree(config)
-    parts = build(MODEL, options(), config)
+    parts = build(MODEL, opts, config)
     import_state(materialize(tree, initial_state(tree, SEED), config, dist.get_rank()), *parts,
                  spec=spec, tree=tree)
-    return parts, [train_step(parts, corpus, k * options().global_batch, options())[0] for k in range(steps)]
+    return parts, [train_step(parts, corpus, k * opts.global_batch, opts)[0] for k in range(steps)]
 
 
 def assembled(tree, config, directory: str) -> dict:

@@ -90,3 +90,31 @@ def _no_optimizer_gather(tree, old, new, plan):
             whole = sum(4 * prod(sharding.tp_local(tree[p], t)[0]) for p in optimizer
                         if s in sharding.stages(tree[p]))
             assert sum(held(r) for r in ranks) == whole
+
+
+def test_sigkilled_rank_is_rebuilt_from_replicas_and_training_goes_on(tmp_path):
+    import live_recovery as r
+    store, port = _store()
+    procs = [CTX.Process(target=r.recovery, args=(p, port, str(tmp_path), 0, False)) for p in range(4)]
+    for p in procs:
+        p.start()
+    for s, sc in enumerate(r.SCENARIOS):
+        procs[sc.kill].join(300)
+        assert procs[sc.kill].exitcode == -9, [f.read_text() for f in tmp_path.glob("error-*.json")]
+        store.set(f"s{s}/lost", json.dumps([sc.kill]))
+        procs[sc.kill] = CTX.Process(target=r.recovery, args=(sc.kill, port, str(tmp_path), s, True))
+        procs[sc.kill].start()
+    codes = _run([], 0) or [p.join(600) or p.exitcode for p in procs]
+    errors = [f.read_text() for f in tmp_path.glob("error-*.json")]
+    assert codes == [0, 0, 0, 0] and not errors, errors
+    results = [_read(tmp_path, f"scenario-{s}") for s in range(len(r.SCENARIOS))]
+    for s, (sc, got) in enumerate(zip(r.SCENARIOS, results)):
+        assert got["failure"]["step"] == sc.during, got                      # killed during training
+        losses = {int(k): v for k, v in got["losses"].items()}
+        assert [losses[k] for k in sorted(losses)] == got["reference"], got   # as if nothing had happened
+        mine = _read(tmp_path, f"replacement-{s}")
+        assert mine["resumed_at"] == got["resumed_at"]
+    replicas, same_step, older = results
+    assert replicas["resumed_at"] == 4 and replicas["store"] == 0 and replicas["sent"] > 0
+    assert same_step["resumed_at"] == 5 and 0 < same_step["store"] and same_step["rolled_back_to"] is None
+    assert older["rolled_back_to"] == 2 and older["resumed_at"] == 3

@@ -176,6 +176,9 @@ def train_step(parts: Parts, corpus, consumed: int, opts: JobOptions) -> tuple[f
         forward_step_func=forward_step, data_iterator=iter(batches), model=parts.model,
         num_microbatches=len(batches), seq_length=seq, micro_batch_size=opts.micro_batch,
         forward_only=False)
+    # commit point: no rank updates its state unless every rank got here, so after a failure
+    # all survivors hold the state of one step (see tenplex_megatron.live.recover)
+    dist.barrier()
     parts.optimizer.step()
     parts.scheduler.step(increment=1)
     value = torch.zeros(1, dtype=torch.float64)

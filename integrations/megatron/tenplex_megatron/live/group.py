@@ -51,6 +51,23 @@ class Membership:
                               timeout=kwargs.get("timeout", datetime.timedelta(minutes=5)))
         return cls(store, rank, **kwargs)
 
+    def leave(self) -> None:
+        """Leave the current default group.
+
+        After a peer failed, call it once nothing references the model, the
+        optimizer or ``parallel_state`` any more (they hold the group's
+        subgroups): their connections then close, so that peers blocked on this
+        process fail now instead of at the group's timeout.
+        """
+        import gc
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        self.size = 0
+
     def form(self, size: int, name: str | None = None) -> bool:
         """Leave the current default group; processes ``0 .. size-1`` form a new one.
 
@@ -67,8 +84,7 @@ class Membership:
 
         self.generation += 1
         key = name or str(self.generation)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.leave()
         self.size = size
         if self.process >= size:
             return False
@@ -94,7 +110,19 @@ def init_parallel_state(config, seed: int) -> None:
 
 
 def destroy_parallel_state() -> None:
-    """Drop megatron-core's parallel state (its groups go with the default group)."""
+    """Drop megatron-core's parallel state and every reference it keeps to a process group.
+
+    megatron-core 0.16.1's ``destroy_model_parallel`` leaves some groups set
+    (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin,
+    ``_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``); a group kept alive keeps its
+    connections open, and after a failure peers blocked on this process would
+    wait for the timeout. So every module-level group left is dropped too.
+    """
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
+    for name, value in list(vars(ps).items()):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if name.startswith("_") and items and all(isinstance(v, dist.ProcessGroup) for v in items):
+            setattr(ps, name, None)
