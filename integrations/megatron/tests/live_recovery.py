@@ -68,22 +68,22 @@ def _log(out, process, text):
 
 
 def _scenario(membership, out: str, s: int, replacement: bool) -> None:
+    """One scenario; the lines marked ``# docs`` are those docs/megatron.md shows (test_live_docs checks)."""
     import torch.distributed as dist
+    from tenplex_megatron import live
     from tenplex_megatron.demo.data import load_corpus
-    from tenplex_megatron.demo.job import build, live_spec, train_step
-    from tenplex_megatron.live.group import destroy_parallel_state, init_parallel_state
-    from tenplex_megatron.live.recover import recover, save_checkpoint
-    from tenplex_megatron.live.state import export_state
+    from tenplex_megatron.demo.job import build as build_parts, live_spec, train_step
 
     sc = SCENARIOS[s]
     config = ParallelConfig.parse(sc.config)
     opts = dataclasses.replace(w.options(), distributed_optimizer=sc.distributed_optimizer)
-    spec, batch = live_spec(w.MODEL, opts), opts.global_batch
+    spec, batch, seed, failures = live_spec(w.MODEL, opts), opts.global_batch, w.SEED, s
+    build = lambda c: build_parts(w.MODEL, opts, c)
     corpus = load_corpus(opts.seq, 1 << 20, w.SEED)
-    process, parts, losses, failure = membership.process, None, {}, None
+    process, parts, state, losses, failure, consumed = membership.process, None, None, {}, None, 0
     if not replacement:
         membership.form(config.world_size, name=f"s{s}/start")
-        init_parallel_state(config, w.SEED)
+        live.init_parallel_state(config, seed)
         reference = w.start(config, corpus, sc.steps, opts=opts)[1]   # (its model is dropped)
         parts, _ = w.start(config, corpus, 0, opts=opts)
         try:
@@ -91,29 +91,33 @@ def _scenario(membership, out: str, s: int, replacement: bool) -> None:
                 if process == sc.kill and step == sc.during:
                     os.kill(os.getpid(), signal.SIGKILL)
                 _log(out, process, f"s{s} step {step} start")
-                losses[step] = train_step(parts, corpus, (step - 1) * batch, opts)[0]
+                losses[step] = train_step(parts, corpus, consumed, opts)[0]
+                consumed += batch
                 _log(out, process, f"s{s} step {step} done")
                 if sc.every and step % sc.every == 0:
-                    save_checkpoint(parts, checkpoint(out, s, step), spec=spec, consumed_samples=step * batch)
+                    url = checkpoint(out, s, step)
+                    live.save_checkpoint(parts, url, spec=spec, consumed_samples=consumed)     # docs
         except Exception as exc:   # a peer died: every survivor gets here, in the step it died in
             failure = {"step": step, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             _log(out, process, f"s{s} failure {failure}")
         if failure:  # outside the except block: its traceback would keep the model (and its groups) alive
-            state = export_state(*parts, spec=spec, consumed_samples=(step - 1) * batch)
-            parts = None                  # drop the broken groups' last users, then leave them
-            destroy_parallel_state()
-            membership.leave()
+            state = live.export_state(*parts, spec=spec, consumed_samples=consumed)           # docs
+            parts = None                                                                       # docs
+            live.destroy_parallel_state()                                                      # docs
+            membership.leave()                                                                 # docs
     if replacement or failure:
         _log(out, process, f"s{s} waiting for lost")
         lost = set(json.loads(membership.store.get(f"s{s}/lost")))
-        _log(out, process, f"s{s} recover {lost}")
-        done = recover(state if failure else None, lambda c: build(w.MODEL, opts, c), spec=spec,
-                       config=config, lost=lost, seed=w.SEED, membership=membership, name=f"s{s}/recover",
-                       store=last_checkpoint(out, s, sc))
-        parts = done.parts
-        first = done.imported.consumed_samples // batch + 1
+        url = last_checkpoint(out, s, sc)
+        _log(out, process, f"s{s} recover {lost} from {url}")
+        done = live.recover(state, build, spec=spec, config=config, lost=lost, seed=seed,         # docs
+                            membership=membership, name=f"recovery-{failures}", store=url)        # docs
+        parts = done.parts                                                                     # docs
+        consumed = done.imported.consumed_samples                                              # docs
+        first = consumed // batch + 1
         for step in range(first, sc.steps + 1):
-            losses[step] = train_step(parts, corpus, (step - 1) * batch, opts)[0]
+            losses[step] = train_step(parts, corpus, consumed, opts)[0]
+            consumed += batch
         if dist.get_rank() == 0:
             w.write(out, f"scenario-{s}", {
                 "reference": reference if not replacement else None, "losses": losses, "failure": failure,
@@ -122,4 +126,5 @@ def _scenario(membership, out: str, s: int, replacement: bool) -> None:
                 "sent": done.report.sent if done.report else None})
         if replacement:
             w.write(out, f"replacement-{s}", {"losses": losses, "resumed_at": first})
-    destroy_parallel_state()
+    parts = None
+    live.destroy_parallel_state()
