@@ -79,6 +79,40 @@ def start(config, corpus, steps: int, tree=None, opts=None):
     return parts, [train_step(parts, corpus, k * opts.global_batch, opts)[0] for k in range(steps)]
 
 
+def misuse(parts, spec, config) -> dict:
+    """What export, import and change say when used wrongly (nothing is changed by them)."""
+    import dataclasses
+
+    from tenplex.errors import TenplexError
+    from tenplex_megatron.live.change import change
+    from tenplex_megatron.live.state import export_state, import_state
+
+    def error(call):
+        try:
+            call()
+        except TenplexError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    good = export_state(*parts, spec=spec, consumed_samples=0)
+    broken = {p: v for p, v in good.items() if p != "optimizer/exp_avg/output_layer/weight"}
+    before = {p: v.clone() for p, v in export_state(*parts, spec=spec, consumed_samples=0).items()
+              if isinstance(v, torch.Tensor)}
+    out = {
+        "not distributed": error(lambda: export_state(*parts, spec=dataclasses.replace(
+            spec, distributed_optimizer=False), consumed_samples=0)),
+        "dtype": error(lambda: export_state(*parts, spec=dataclasses.replace(
+            spec, model=dataclasses.replace(spec.model, params_dtype="float32")), consumed_samples=0)),
+        "missing leaf": error(lambda: import_state(broken, *parts, spec=spec)),
+        "world without membership": error(lambda: change(parts, None, spec=spec, old=config,
+                                                         new=ParallelConfig(dp=2, tp=2), consumed_samples=0,
+                                                         seed=SEED)),
+    }
+    after = export_state(*parts, spec=spec, consumed_samples=0)
+    out["untouched"] = all(torch.equal(before[p], after[p]) for p in before)
+    return out
+
+
 def assembled(tree, config, directory: str) -> dict:
     from tenplex.ptree.shards import assemble
     shards = {r: torch.load(os.path.join(directory, f"rank-{r}.pt"), weights_only=True)
@@ -115,7 +149,8 @@ def _sequence(process: int, port: int, out: str) -> None:
         parts, losses = start(configs[0], corpus, STEPS)
         consumed = STEPS * opts.global_batch
         if process == 0:
-            write(out, "start", {"uninterrupted": uninterrupted, "losses": losses})
+            write(out, "start", {"uninterrupted": uninterrupted, "losses": losses,
+                                 "errors": misuse(parts, spec, configs[0])})
     for i, (old, new) in enumerate(zip(configs, configs[1:])):
         tree = spec.tree(old, new)
         snapshot = os.path.join(out, f"change-{i}")

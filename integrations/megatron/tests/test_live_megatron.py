@@ -53,6 +53,12 @@ def test_change_sequence_matches_static_runs_bit_for_bit(tmp_path):
     spec = live_spec(w.MODEL, w.options())
     batch = w.options().global_batch
     corpus = load_corpus(w.options().seq, 1 << 20, w.SEED)
+    errors = start["errors"]
+    assert errors["not distributed"].startswith("ConfigError: ") and "is distributed" in errors["not distributed"]
+    assert errors["dtype"].startswith("ShardError: ") and "expected float32" in errors["dtype"]
+    assert errors["missing leaf"] == "ShardError: state lacks 'optimizer/exp_avg/output_layer/weight'"
+    assert errors["world without membership"].startswith("ConfigError: change to dp=2,tp=2,pp=1 (4 ranks)")
+    assert errors["untouched"] is True           # a refused import wrote nothing
     # export + import alone (the identity change) continue the run bit for bit
     assert rows[0]["losses"] == start["uninterrupted"][w.STEPS:]
     for i, row in enumerate(rows):

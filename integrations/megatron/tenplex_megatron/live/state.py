@@ -109,18 +109,20 @@ def export_state(model_chunks, optimizer, scheduler, *, spec: LiveSpec, consumed
         if unknown:
             raise ShardError(f"{path}: optimizer state {sorted(unknown)} is not Adam's (step, exp_avg, exp_avg_sq)")
         steps.add(int(state["step"]) if "step" in state else 0)
+        shape = (-1,) if slot.flat else slot.param.shape
         if spec.main_params:
-            out[optimizer_path("param", path)] = slot.main.detach().float().clone().reshape(-1 if slot.flat else slot.param.shape)
+            out[optimizer_path("param", path)] = slot.main.detach().float().clone().reshape(shape)
         for name in MOMENTS:
             held = state.get(name)
-            value = held.detach().clone() if held is not None else torch.zeros(slot.main.shape, dtype=torch.float32)
-            out[optimizer_path(name, path)] = value.reshape(-1) if slot.flat else value.reshape(slot.param.shape)
+            value = held.detach().clone() if held is not None else torch.zeros(slot.main.shape)
+            out[optimizer_path(name, path)] = value.reshape(shape)
     if len(steps) > 1:
         raise ShardError(f"optimizer: parameters are at different Adam steps {sorted(steps)}")
     out["optimizer/step"] = steps.pop() if steps else 0
     out["optimizer/scheduler"] = dict(scheduler.state_dict()) if scheduler is not None else None
     out["data/consumed_samples"] = int(consumed_samples)
     out["rng/states"] = rng_json.encode(_rng_states())
+    _check_against_tree(out, tree, sharding, coord)
     return {p: out[p] for p in tree.leaves if p in out}
 
 
@@ -148,25 +150,42 @@ def import_state(state: dict[str, Any], model_chunks, optimizer, scheduler, *, s
     params = named_params(model_chunks, spec.model, config, coord.pp)
     path_of = {id(p): path for path, p in params.items()}
     step = int(_get(state, "optimizer/step"))
+    consumed = int(_get(state, "data/consumed_samples"))
+    # every tensor is checked before anything is written: a bad state leaves the model untouched
+    copies = [(p.data, _tensor(state, path, p.shape, p.dtype)) for path, p in params.items()]
+    moments = []
+    for slot in slots(optimizer):
+        path = path_of[id(slot.param)]
+        _check_holding(sharding, tree, path, coord, slot, spec)
+        shape = slot.main.shape
+        if slot.copy:
+            copies.append((slot.main, _tensor(state, optimizer_path("param", path), shape, torch.float32)))
+        moments.append((slot, {name: _tensor(state, optimizer_path(name, path), shape, torch.float32)
+                               for name in MOMENTS}))
     with torch.no_grad():
-        for path, p in params.items():
-            p.data.copy_(_tensor(state, path, p.shape, p.dtype))
-        for slot in slots(optimizer):
-            path = path_of[id(slot.param)]
-            _check_holding(sharding, tree, path, coord, slot, spec)
-            shape = slot.main.shape
-            if slot.copy:
-                slot.main.copy_(_tensor(state, optimizer_path("param", path), None, torch.float32).view(shape))
-            slot.inner.state[slot.main] = {"step": torch.tensor(float(step), dtype=torch.float32), **{
-                name: _tensor(state, optimizer_path(name, path), None, torch.float32).reshape(shape).clone()
-                for name in MOMENTS}}
+        for dst, src in copies:
+            dst.copy_(src)
+        for slot, values in moments:
+            slot.inner.state[slot.main] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                           **{name: v.clone() for name, v in values.items()}}
     if scheduler is not None and state.get("optimizer/scheduler") is not None:
         scheduler.num_steps = 0
         scheduler.load_state_dict(state["optimizer/scheduler"])
     saved = state.get("rng/states")
     if saved is not None:
         _set_rng_states(rng_json.decode(saved))
-    return Imported(int(_get(state, "data/consumed_samples")), step, saved is not None)
+    return Imported(consumed, step, saved is not None)
+
+
+def _check_against_tree(out: dict, tree, sharding, coord) -> None:
+    """Every tensor the tree says this rank holds is exported, with the tree's local shape, and no other."""
+    for path, leaf in tree.tensors():
+        holding = sharding.holding(path, coord)
+        found = tuple(out[path].shape) if path in out else None
+        if (holding.shape if holding is not None else None) != found:
+            raise ShardError(f"{path}: the tree says rank {coord} holds "
+                             f"{holding.shape if holding is not None else 'nothing'}; the job has "
+                             f"{found if found is not None else 'nothing'}")
 
 
 def _check_dtype(path: str, p, dtype: str) -> None:
