@@ -1,6 +1,7 @@
 """`tenplex demo` as the README runs it, a shortened bf16 one, its schedule checks, and its worker errors."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def _raise_in_worker_1(process, port, queue):
             raise ValueError("shape mismatch\nshape '[384, 128]' is invalid for input of size 43122")
         queue.put(("done", process))
     except BaseException as exc:
-        report_error(queue, process, exc)
+        report_error(queue, process, exc, "run elastic, phase 2")
 
 
 def _kill_worker_1(process, port, queue):
@@ -90,8 +91,8 @@ def _kill_worker_1(process, port, queue):
 def test_a_failed_worker_is_named_with_its_exception_and_last_line():
     from tenplex_megatron.demo.workers import WorkerError, run_workers
     with pytest.raises(WorkerError) as info:
-        run_workers("demo run elastic", 2, _raise_in_worker_1, (), print, timeout=60)
-    assert str(info.value) == ("demo run elastic: worker 1 failed: ValueError: shape '[384, 128]' is "
+        run_workers("demo", 2, _raise_in_worker_1, (), print, timeout=60)
+    assert str(info.value) == ("demo run elastic, phase 2: worker 1 failed: ValueError: shape '[384, 128]' is "
                                "invalid for input of size 43122")
     assert "Traceback" in info.value.worker_traceback and "_raise_in_worker_1" in info.value.worker_traceback
 
@@ -119,3 +120,17 @@ def test_cli_prints_one_line_and_debug_adds_the_worker_traceback(monkeypatch, ca
     err = capsys.readouterr().err
     assert 'File "reader.py", line 132, in read' in err and "worker 1's traceback" in err
     assert err.rstrip().splitlines()[-1].startswith("tenplex demo: demo run elastic: worker 1 failed")
+
+
+def test_a_demo_worker_failure_reaches_the_cli_with_its_cause(tmp_path):
+    """A real worker failure (torch's Adam refuses the learning rate inside every worker)."""
+    out = tmp_path / "demo"
+    done = tenplex("demo", "--model", "tiny", "--steps", "1", "--lr", "-1", "--out", str(out), timeout=300)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"tenplex demo: demo run elastic, phase 1: worker \d failed: "
+                                            r"ValueError: Invalid learning rate: -1\.0", lines[0]), done.stderr
+    assert not out.exists()
+    debug = tenplex("--debug", "demo", "--model", "tiny", "--steps", "1", "--lr", "-1", "--out", str(out),
+                    timeout=300)
+    assert debug.returncode == 1 and "'s traceback:" in debug.stderr and "optim/adam.py" in debug.stderr

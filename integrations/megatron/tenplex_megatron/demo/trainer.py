@@ -10,7 +10,7 @@ them (:class:`~tenplex_megatron.live.group.Membership`).
 Records put on the queue (rank 0 only, except ``done`` and ``error``):
 ``("step", run, phase, step, loss, sample ids)``,
 ``("reconfig", run, phase, seconds, transfer seconds, sent bytes, lower bound)``,
-``("done", process)`` and ``("error", process, type name, last message line, traceback)``.
+``("done", process)`` and ``("error", process, type name, last message line, traceback, where)``.
 """
 
 from __future__ import annotations
@@ -25,21 +25,29 @@ __all__ = ["run_worker"]
 def run_worker(process: int, port: int, runs: list, cfg_json: dict, opts_json: dict, corpus_bytes: int,
                queue) -> None:
     """Run every ``(name, phases)`` of ``runs`` as job process ``process``; report through ``queue``."""
+    import warnings
+
+    # megatron-core warns at import that Apex and TransformerEngine are missing (expected on CPU);
+    # the demo's output is its own lines and, on failure, the one line of the error
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    where = {"run": None, "phase": 0}
     try:
         from tenplex_megatron import cpu_shim
 
         cpu_shim.apply_optimizer_patches()
         torch.set_num_threads(1)
-        _run_all(process, port, runs, cfg_json, opts_json, corpus_bytes, queue)
+        _run_all(process, port, runs, cfg_json, opts_json, corpus_bytes, queue, where)
         queue.put(("done", process))
     except BaseException as exc:
         from tenplex_megatron.demo.workers import report_error
 
-        report_error(queue, process, exc)
+        report_error(queue, process, exc, f"run {where['run']}, phase {where['phase'] + 1}"
+                     if where["run"] else "")
         raise SystemExit(1) from None
 
 
-def _run_all(process, port, runs, cfg_json, opts_json, corpus_bytes, queue) -> None:
+def _run_all(process, port, runs, cfg_json, opts_json, corpus_bytes, queue, where: dict) -> None:
     import torch.distributed as dist
 
     from tenplex_megatron.config import MegatronConfig
@@ -52,7 +60,8 @@ def _run_all(process, port, runs, cfg_json, opts_json, corpus_bytes, queue) -> N
     cfg, opts = MegatronConfig.from_json(cfg_json), JobOptions(**opts_json)
     corpus = load_corpus(opts.seq, corpus_bytes, opts.seed)
     for name, phases in runs:
-        _run(membership, name, phases, cfg, opts, corpus, queue)
+        where.update(run=name, phase=0)
+        _run(membership, name, phases, cfg, opts, corpus, queue, where)
 
 
 def _start(cfg, opts, config):
@@ -73,7 +82,7 @@ def _start(cfg, opts, config):
     return parts
 
 
-def _run(membership, name: str, phases: list, cfg, opts, corpus, queue) -> None:
+def _run(membership, name: str, phases: list, cfg, opts, corpus, queue, where: dict) -> None:
     from tenplex_megatron.demo.job import build, live_spec, train_step
     from tenplex_megatron.live.change import change
     from tenplex_megatron.live.group import destroy_parallel_state
@@ -83,6 +92,7 @@ def _run(membership, name: str, phases: list, cfg, opts, corpus, queue) -> None:
     parts = _start(cfg, opts, first) if membership.form(first.world_size) else None
     consumed, step, me = 0, 0, membership.process
     for index, phase in enumerate(phases):
+        where["phase"] = index
         if index:
             done = change(parts, lambda c: build(cfg, opts, c), spec=spec, old=phases[index - 1].config,
                           new=phase.config, consumed_samples=consumed if parts else None, seed=opts.seed,

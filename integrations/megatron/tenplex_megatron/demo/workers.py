@@ -35,13 +35,14 @@ class WorkerError(TenplexError, RuntimeError):
         self.worker, self.cause, self.worker_traceback = worker, cause, worker_traceback
 
 
-def report_error(queue, process: int, exc: BaseException) -> None:
-    """In a worker: put ``exc`` on ``queue`` as ``("error", process, type name, last message line, traceback)``."""
+def report_error(queue, process: int, exc: BaseException, where: str = "") -> None:
+    """In a worker: put ``exc`` on ``queue`` as ``("error", process, type name, last message line,
+    traceback, where)``; ``where`` says what the worker was doing (e.g. ``"run elastic, phase 2"``)."""
     import traceback
 
     text = str(exc).strip().splitlines()
     queue.put(("error", process, type(exc).__name__, text[-1] if text else "",
-               "".join(traceback.format_exception(exc))))
+               "".join(traceback.format_exception(exc)), where))
 
 
 def _free_port() -> int:
@@ -103,11 +104,10 @@ def run_workers(what: str, nprocs: int, target, args: tuple, on_record, timeout:
             if item[0] == "done":
                 done.add(item[1])
             elif item[0] == "error":
-                _, worker, kind, line, text = item
                 killed = _killed(procs)   # peers of a killed worker fail too; name the first cause
                 if killed is not None:
                     raise WorkerError(what, killed, _died(procs[killed].exitcode))
-                raise WorkerError(what, worker, f"{kind}: {line}" if line else kind, text)
+                raise _error(what, item)
             else:
                 on_record(item)
         for p in procs:
@@ -118,6 +118,11 @@ def run_workers(what: str, nprocs: int, target, args: tuple, on_record, timeout:
                 p.kill()
                 p.join(10)
         del store
+
+
+def _error(what: str, item) -> WorkerError:
+    _, worker, kind, line, text, where = item
+    return WorkerError(f"{what} {where}".strip(), worker, f"{kind}: {line}" if line else kind, text)
 
 
 def _killed(procs, wait: float = 1.0):
@@ -140,5 +145,4 @@ def _drain_error(q, what: str) -> None:
         except queue_mod.Empty:
             return
         if item[0] == "error":
-            _, worker, kind, line, text = item
-            raise WorkerError(what, worker, f"{kind}: {line}" if line else kind, text)
+            raise _error(what, item)
