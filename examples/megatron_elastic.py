@@ -96,7 +96,8 @@ def sample(index: int) -> torch.Tensor:
 
 def global_order(consumed: int) -> list[int]:
     """The sample indices of the global batch after ``consumed`` samples (one seeded order)."""
-    return torch.randperm(100_000, generator=torch.Generator().manual_seed(7))[consumed:consumed + GLOBAL_BATCH].tolist()
+    order = torch.randperm(100_000, generator=torch.Generator().manual_seed(7))
+    return order[consumed:consumed + GLOBAL_BATCH].tolist()
 
 
 def train_step(parts, consumed: int) -> tuple[float, list[int]]:
@@ -180,7 +181,8 @@ def main() -> None:
             "max_loss_diff": max(abs(a - b) for a, b in zip(elastic, static)),
             "samples_match": samples == static_samples,
             "reconfig_s": round(sum(d.seconds for d in changes), 3),
-            "moved_over_lower_bound": sum(d.report.sent for d in changes) / sum(d.report.lower_bound for d in changes),
+            "moved_over_lower_bound": sum(d.report.sent for d in changes)
+            / sum(d.report.lower_bound for d in changes),
         }), flush=True)
 
 

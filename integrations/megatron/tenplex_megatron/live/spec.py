@@ -76,6 +76,11 @@ class LiveSpec:
     grad_reduce_in_fp32: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
 
+    def __post_init__(self) -> None:
+        if self.model.params_dtype == "float16":
+            raise ConfigError("LiveSpec: fp16 params need the dynamic loss scaler's state, which the live "
+                              "tree does not carry yet; use bfloat16 or float32")
+
     @classmethod
     def from_ddp_config(cls, model: MegatronConfig, ddp_config) -> "LiveSpec":
         """From a megatron-core ``DistributedDataParallelConfig``.

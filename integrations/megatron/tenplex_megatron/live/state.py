@@ -107,7 +107,8 @@ def export_state(model_chunks, optimizer, scheduler, *, spec: LiveSpec, consumed
         state = slot.inner.state.get(slot.main, {})
         unknown = set(state) - {"step", *MOMENTS}
         if unknown:
-            raise ShardError(f"{path}: optimizer state {sorted(unknown)} is not Adam's (step, exp_avg, exp_avg_sq)")
+            raise ShardError(f"{path}: optimizer state {sorted(unknown)} is not Adam's "
+                             "(step, exp_avg, exp_avg_sq)")
         steps.add(int(state["step"]) if "step" in state else 0)
         shape = (-1,) if slot.flat else slot.param.shape
         if spec.main_params:
