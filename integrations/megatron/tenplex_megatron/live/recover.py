@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tenplex.errors import ShardError
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.live.change import Changed, Parts, _resume
@@ -96,6 +97,7 @@ def recover(state: dict | None, build: Callable[[ParallelConfig], tuple], *, spe
     Raises:
         MissingDataError: a region neither a survivor nor ``store`` holds, on every
             process alike, before anything moves.
+        ShardError: the survivors hold states of different steps and there is no ``store``.
     """
     import tenplex
     from tenplex.transform.planner import make_plan
@@ -109,8 +111,11 @@ def recover(state: dict | None, build: Callable[[ParallelConfig], tuple], *, spe
     alive = {r for r in _gather(held and membership.process) if r is not False}
     steps = {s for s in _gather(state["optimizer/step"] if held else None) if s is not None}
     plan = make_plan(tree, config, new, alive=alive, store_fallback=store is not None)
-    rolled_back = None
-    if plan.totals.store and _stored_step(store) not in steps:
+    rolled_back, mixed = None, len(steps) > 1
+    if mixed and store is None:
+        raise ShardError(f"the survivors hold states of different steps {sorted(steps)} and there is no "
+                         "checkpoint to go back to (see 'one step' in tenplex_megatron.live.recover)")
+    if mixed or (plan.totals.store and _stored_step(store) not in steps):
         rolled_back = _stored_step(store)
         state = tenplex.load(store, new, membership.process) if membership.process < new.world_size else None
         report = None
