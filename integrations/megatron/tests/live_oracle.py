@@ -86,8 +86,22 @@ def megatron_ranges(cfg_json: dict, config_json: dict, stage: int, ddp: dict) ->
     return out
 
 
+def spec_from_ddp(cfg_json: dict, ddp: dict) -> dict:
+    """``LiveSpec.from_ddp_config`` over a real ``DistributedDataParallelConfig``, as plain fields."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from tenplex_megatron.config import MegatronConfig
+    from tenplex_megatron.live.spec import LiveSpec
+
+    spec = LiveSpec.from_ddp_config(MegatronConfig.from_json(cfg_json), DistributedDataParallelConfig(**ddp))
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "model"}
+
+
 def serve(conn) -> None:
-    """Answer ``(cfg_json, config_json, stage, ddp kwargs)`` requests until ``None`` arrives."""
+    """Answer ``(cfg_json, config_json, stage, ddp kwargs)`` requests (or ``("spec", cfg_json, ddp)``)
+    until ``None`` arrives."""
     import traceback
 
     from tenplex_megatron import cpu_shim
@@ -105,7 +119,7 @@ def serve(conn) -> None:
         if request is None:
             break
         try:
-            conn.send(("ok", megatron_ranges(*request)))
+            conn.send(("ok", spec_from_ddp(*request[1:]) if request[0] == "spec" else megatron_ranges(*request)))
         except Exception:  # the test reports the child's traceback
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()

@@ -38,6 +38,13 @@ def oracle():
         assert status == "ok", value
         return {path: [tuple(r) if r else None for r in ranges] for path, ranges in value.items()}
 
+    def spec(cfg: MegatronConfig, ddp: dict) -> dict:
+        parent.send(("spec", cfg.to_json(), ddp))
+        status, value = parent.recv()
+        assert status == "ok", value
+        return value
+
+    ask.spec = spec
     yield ask
     parent.send(None)
     proc.join(30)
@@ -109,3 +116,30 @@ def test_shared_embedding_gets_its_own_bucket_at_pp_above_1(oracle):
                                   for d in range(c.dp)]    # a bucket of its own, cut evenly
     with pytest.raises(ConfigError, match="cannot be described by one tree"):
         spec.tree(a, ParallelConfig(dp=4, tp=2, pp=1))     # pp 2 -> 1 needs the core rule
+
+
+def test_spec_reads_megatron_cores_ddp_config(oracle):
+    cfg = MegatronConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
+                         params_dtype="bfloat16")
+    ddp = dict(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=5000,
+               grad_reduce_in_fp32=True, pad_buckets_for_high_nccl_busbw=True)
+    assert oracle.spec(cfg, ddp) == {"distributed_optimizer": True, "overlap_grad_reduce": True,
+                                     "bucket_size": 5000, "grad_reduce_in_fp32": True,
+                                     "pad_buckets_for_high_nccl_busbw": True}
+    assert oracle.spec(cfg, {})["distributed_optimizer"] is False      # megatron-core's defaults
+
+
+def test_spec_refusals_name_what_is_missing():
+    cfg = MegatronConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
+    with pytest.raises(ConfigError, match="fp16 params need the dynamic loss scaler"):
+        LiveSpec(MegatronConfig(**{**cfg.to_json(), "params_dtype": "float16"}))
+    with pytest.raises(ConfigError, match="give at least one parallel config"):
+        LiveSpec(cfg).tree()
+    with pytest.raises(ConfigError, match="tp=3 does not divide"):
+        LiveSpec(cfg).tree(ParallelConfig(tp=3))
+    # a bucket that splits stage 0 but not stage 1 (megatron-core buckets only the first stage)
+    with pytest.raises(ConfigError, match="cannot be described by one tree"):
+        LiveSpec(cfg, overlap_grad_reduce=True, bucket_size=2000).tree(ParallelConfig(dp=2, pp=2))
+    plain = LiveSpec(cfg, distributed_optimizer=False).tree(ParallelConfig(dp=2, tp=2))
+    assert not plain.buffers and all(leaf.layout.dp_shard is None for _, leaf in plain.tensors())
+    assert "optimizer/param/embedding/word_embeddings/weight" not in plain.leaves    # fp32: no copy

@@ -164,7 +164,7 @@ class LiveSpec:
                     layout = replace(layout, dp_shard=DPShard(name, s.path))
                 leaves[optimizer_path(state, s.path)] = TensorLeaf(s.leaf.shape, "float32", layout)
         leaves.update(VALUES)
-        return PTree(leaves, self.model.num_layers, tuple(buffers))
+        return PTree(leaves, self.model.num_layers, tuple(buffers) if self.distributed_optimizer else ())
 
 
 def megatron_dp_ranges(spec: LiveSpec, config: ParallelConfig, stage: int) -> dict:
