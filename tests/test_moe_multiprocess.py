@@ -6,7 +6,6 @@ every process holds exactly its shards, the assembled global state is bit-exact.
 """
 
 import datetime
-import inspect
 import json
 import multiprocessing as mp
 import os
@@ -38,16 +37,8 @@ def _sequence():
 
 
 def _reconfigure(local, tree, src, dst):
-    """``(state, report)`` from ``tenplex.reconfigure``.
-
-    Today it returns the report only with ``report=True``; once it always returns
-    ``(state, report)`` (helper ``live``), the keyword goes and this is a plain call.
-    """
     import tenplex
-    kwargs = {"memory_budget": 1 << 15}
-    if "report" in inspect.signature(tenplex.reconfigure).parameters:
-        kwargs["report"] = True
-    return tenplex.reconfigure(local, tree, src, dst, **kwargs)
+    return tenplex.reconfigure(local, tree, src, dst, memory_budget=1 << 15)
 
 
 def _check(state, tree, config, rank, tensors, values):

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the CLI boundary: every failure is one line
         if args.debug:
             traceback.print_exc()
+            remote = getattr(exc, "worker_traceback", None)   # a worker process's own traceback
+            if remote:
+                print(f"worker {getattr(exc, 'worker', '?')}'s traceback:\n{remote.rstrip()}", file=sys.stderr)
         name = "" if isinstance(exc, TenplexError) else f"{type(exc).__name__}: "
         message = str(exc).splitlines()[0] if str(exc) else repr(exc)
         print(f"tenplex {args.command}: {name}{message}", file=sys.stderr)

@@ -8,7 +8,6 @@ import shutil
 import tempfile
 from collections import Counter
 
-from tenplex.transform.planner import make_plan
 
 __all__ = ["summarize", "render_table", "write_outputs"]
 
@@ -21,7 +20,8 @@ def _samples(run: dict) -> Counter:
     return Counter(i for s in run["steps"] for i in s["samples"])
 
 
-def summarize(phases, statics, elastic, static_a, static_b, tree, seconds: float) -> dict:
+def summarize(phases, statics, elastic, static_a, static_b, seconds: float) -> dict:
+    """The demo's results: per-phase rows, the three loss curves and how they compare."""
     ea, sa, sb = _losses(elastic), _losses(static_a), _losses(static_b)
     diffs = [abs(x - y) for x, y in zip(ea, sa)]
     spread = max((abs(x - y) for x, y in zip(sa, sb)), default=0.0)
@@ -29,26 +29,14 @@ def summarize(phases, statics, elastic, static_a, static_b, tree, seconds: float
     rows, start = [], 0
     for i, phase in enumerate(phases):
         steps = [s for s in elastic["steps"] if s["phase"] == i]
-        moves = [r for r in elastic["reconfigs"] if r["phase"] == i]
         row = {"phase": i + 1, "config": str(phase.config), "workers": phase.workers,
                "steps": f"{start + 1}-{start + phase.steps}", "last_loss": steps[-1]["loss"] if steps else None,
-               "change": "start", "reconfig_s": 0.0, "moved": 0, "lower_bound": 0}
-        if i > 0:
-            prev = phases[i - 1].config
-            plan = make_plan(tree, prev, phase.config)
-            stage = [r for r in moves if r["how"] == "restart: stage"]
-            live = [r for r in moves if r["how"] == "live"]
-            load = [r for r in moves if r["how"] == "restart: load"]
-            if live:
-                row.update(change="live", reconfig_s=live[0]["seconds"], moved=live[0]["moved"],
-                           lower_bound=live[0]["lower_bound"])
-            else:
-                row.update(change="restart (staged store)",
-                           reconfig_s=sum(r["seconds"] for r in stage + load),
-                           moved=plan.totals.needed, lower_bound=plan.totals.lower_bound)
+               "change": "start", "reconfig_s": 0.0, "transfer_s": 0.0, "moved": 0, "lower_bound": 0}
+        for r in (r for r in elastic["reconfigs"] if r["phase"] == i):
+            row.update(change="live", reconfig_s=r["seconds"], transfer_s=r["transfer_s"], moved=r["moved"],
+                       lower_bound=r["lower_bound"])
         rows.append(row)
         start += phase.steps
-    same_samples = _samples(elastic) == _samples(static_a)
     return {
         "phases": rows,
         "steps": len(ea),
@@ -58,7 +46,7 @@ def summarize(phases, statics, elastic, static_a, static_b, tree, seconds: float
         "static_spread": spread,
         "within_spread": max(diffs, default=0.0) <= max(spread, 1e-12) or max(diffs, default=0.0) == 0.0,
         "bit_exact_steps": _ranges(exact),
-        "samples_match": same_samples,
+        "samples_match": _samples(elastic) == _samples(static_a),
         "samples_per_run": sum(_samples(elastic).values()),
         "changes": [sum(p.steps for p in phases[:i]) + 0.5 for i in range(1, len(phases))],
         "seconds": round(seconds, 1),
@@ -80,10 +68,12 @@ def _ranges(steps: list[int]) -> str:
 
 
 def render_table(summary: dict) -> str:
-    header = ["phase", "config", "workers", "steps", "last loss", "change", "reconfig s", "moved / lower bound"]
+    header = ["phase", "config", "workers", "steps", "last loss", "change", "change s", "transfer s",
+              "moved / lower bound"]
     rows = [[str(r["phase"]), r["config"], str(r["workers"]), r["steps"],
              f"{r['last_loss']:.5f}" if r["last_loss"] is not None else "-", r["change"],
              f"{r['reconfig_s']:.2f}" if r["phase"] > 1 else "-",
+             f"{r['transfer_s']:.2f}" if r["phase"] > 1 else "-",
              f"{r['moved'] / 1e6:.2f} MB / {r['lower_bound'] / 1e6:.2f} MB" if r["phase"] > 1 else "-"]
             for r in summary["phases"]]
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]

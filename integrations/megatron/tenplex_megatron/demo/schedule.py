@@ -47,10 +47,10 @@ def capacity() -> int:
     return 2 * (os.cpu_count() or 1)
 
 
-def check_schedule(phases: list[Phase], tree, batch: int, max_workers: int) -> None:
+def check_schedule(phases: list[Phase], tree, batch: int, max_workers: int, micro_batch: int = 1) -> None:
     """Raise ConfigError for an impossible phase: a tp that does not divide the heads,
-    a pp that does not fit the layers, a dp that does not divide the global batch, or
-    more workers than the machine can hold."""
+    a pp that does not fit the layers, a dp that does not divide the global batch (in
+    micro-batches), or more workers than the machine can hold."""
     for i, phase in enumerate(phases, 1):
         where = f"schedule phase {i} ({phase.config})"
         try:
@@ -62,3 +62,6 @@ def check_schedule(phases: list[Phase], tree, batch: int, max_workers: int) -> N
         if phase.workers > max_workers:
             raise ConfigError(f"{where}: needs {phase.workers} workers; this machine holds at most "
                               f"{max_workers} (2 per CPU core; --max-workers to change)")
+        if (batch // phase.config.dp) % micro_batch:
+            raise ConfigError(f"{where}: the global batch {batch} over dp={phase.config.dp} is not a whole "
+                              f"number of micro-batches of {micro_batch}")

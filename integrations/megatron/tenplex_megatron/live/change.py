@@ -1,0 +1,124 @@
+"""One call that moves a running megatron-core job to another (dp, tp, pp).
+
+:func:`change` runs, on every process of the job:
+
+1. :func:`~tenplex_megatron.live.state.export_state` (processes holding an old rank);
+2. teardown of megatron-core's ``parallel_state``;
+3. ``tenplex.reconfigure`` over the transition group (old and new ranks);
+4. ``parallel_state`` at the new config, and the caller's ``build(config)``
+   for fresh model chunks, optimizer and scheduler;
+5. :func:`~tenplex_megatron.live.state.import_state`.
+
+With a :class:`~tenplex_megatron.live.group.Membership` the world may grow
+(the default group is re-formed before the transfer, joiners start empty)
+or shrink (re-formed after it, leavers are parked).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+from tenplex.errors import ConfigError
+from tenplex.ptree.config import ParallelConfig
+
+from tenplex_megatron.live.group import Membership, destroy_parallel_state, init_parallel_state
+from tenplex_megatron.live.spec import LiveSpec
+from tenplex_megatron.live.state import Imported, export_state, import_state
+
+__all__ = ["Parts", "Changed", "change", "transfer"]
+
+
+class Parts(NamedTuple):
+    """What ``build(config)`` returns: megatron-core model chunks, optimizer and LR scheduler."""
+
+    model: list
+    optimizer: Any
+    scheduler: Any
+
+
+@dataclass
+class Changed:
+    """The result of :func:`change` on one process.
+
+    Attributes:
+        parts: the new model, optimizer and scheduler, or ``None`` if this
+            process holds no rank of the new config.
+        imported: the data position and step, or ``None`` likewise.
+        report: the transfer's ``ReconfigureReport`` (bytes moved against the
+            planner's lower bound), or ``None`` on a parked process.
+        seconds: wall time of the whole change on this process, in seconds.
+    """
+
+    parts: Parts | None
+    imported: Imported | None
+    report: Any
+    seconds: float
+
+
+def transfer(state, tree, old: ParallelConfig, new: ParallelConfig, **kwargs):
+    """``tenplex.reconfigure`` returning ``(state, report)``: the one place the live API calls it."""
+    import tenplex
+
+    return tenplex.reconfigure(state, tree, old, new, **kwargs)
+
+
+def change(parts: Parts | None, build: Callable[[ParallelConfig], tuple], *, spec: LiveSpec,
+           old: ParallelConfig, new: ParallelConfig, consumed_samples: int | None, seed: int,
+           membership: Membership | None = None, comm: Callable[[], Any] | None = None) -> Changed:
+    """Move the job from ``old`` to ``new``; every process of the job calls it.
+
+    Args:
+        parts: this process's model chunks, optimizer and scheduler at ``old``,
+            or ``None`` if it holds no old rank. Drop your own references to
+            them after the call.
+        build: ``build(config) -> (model_chunks, optimizer, scheduler)``, called
+            after ``parallel_state`` is up at ``config``.
+        spec: the job's :class:`LiveSpec`.
+        old, new: the configs.
+        consumed_samples: the data position (``None`` where ``parts`` is ``None``).
+        seed: the run's seed, for ``parallel_state``'s RNG streams at new coordinates.
+        membership: re-forms the default group when the world size changes;
+            without it, the default group must already be the new world.
+        comm: makes the transfer's communicator (a ``tenplex.transform.comm.Comm``),
+            called once the transition group is formed; default torch.distributed's.
+
+    Returns:
+        :class:`Changed`.
+
+    Raises:
+        ConfigError: a config cannot hold the model, or the world size changes
+            without a ``membership``.
+        TransferError: a peer failed during the transfer (state before it untouched).
+    """
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    tree = spec.tree(old, new)
+    if membership is None and dist.get_world_size() != new.world_size:
+        raise ConfigError(f"change to {new} ({new.world_size} ranks) over a default group of "
+                          f"{dist.get_world_size()} processes: pass a Membership to change the world size")
+    state = None
+    if parts is not None:
+        state = export_state(*parts, spec=spec, consumed_samples=consumed_samples, tree=tree)
+        destroy_parallel_state()
+        parts = None
+    process = membership.process if membership is not None else dist.get_rank()
+    if membership is not None and new.world_size > old.world_size:
+        membership.form(new.world_size)
+    report = None
+    if process < max(old.world_size, new.world_size):
+        state, report = transfer(state, tree, old, new, **({"comm": comm()} if comm else {}))
+    if membership is not None and new.world_size < old.world_size:
+        membership.form(new.world_size)
+    if state is None:
+        return Changed(None, None, report, time.perf_counter() - start)
+    return _resume(state, build, spec, new, seed, tree, report, start)
+
+
+def _resume(state, build, spec, config, seed, tree, report, start) -> Changed:
+    init_parallel_state(config, seed)
+    parts = Parts(*build(config))
+    imported = import_state(state, *parts, spec=spec, tree=tree)
+    return Changed(parts, imported, report, time.perf_counter() - start)

@@ -1,0 +1,128 @@
+"""Process groups for a job whose world changes, and megatron-core's parallel state on top.
+
+megatron-core's ``parallel_state.initialize_model_parallel`` takes the whole
+default process group as the world (``world_size = tp * pp * dp``), so a
+change of world size needs a new default group. :class:`Membership` re-forms
+it through one key-value store that outlives every group (torchrun's agent
+store): the job's processes are numbered once (``process``, torchrun's first
+``RANK``); a config of world size ``W`` runs on processes ``0 .. W-1``
+(process ``p`` holds rank ``p``) and the others are parked until a later
+config needs them. Every process calls :meth:`Membership.form` at the same
+points, so the group generations stay in step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+__all__ = ["Membership", "init_parallel_state", "destroy_parallel_state"]
+
+
+class Membership:
+    """The default process group over a changing set of the job's processes.
+
+    Args:
+        store: a ``torch.distributed.Store`` every process can reach for the
+            job's whole life.
+        process: this process's number, ``0 <= process < processes``.
+        backend: the backend of every group (``"gloo"``; ``"nccl"`` on GPUs).
+        timeout: the groups' timeout.
+    """
+
+    def __init__(self, store, process: int, *, backend: str = "gloo",
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=5)):
+        self.store, self.process, self.backend, self.timeout = store, process, backend, timeout
+        self.generation = 0
+        self.size = 0
+
+    @classmethod
+    def from_env(cls, **kwargs) -> "Membership":
+        """Under torchrun: this process is ``RANK``; the store is torchrun's agent store
+        (``MASTER_ADDR:MASTER_PORT``), hosted by the agent, so no worker has to stay."""
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=not agent and rank == 0, wait_for_workers=False,
+                              timeout=kwargs.get("timeout", datetime.timedelta(minutes=5)))
+        return cls(store, rank, **kwargs)
+
+    def leave(self) -> None:
+        """Leave the current default group.
+
+        After a peer failed, call it once nothing references the model, the
+        optimizer or ``parallel_state`` any more (they hold the group's
+        subgroups): their connections then close, so that peers blocked on this
+        process fail now instead of at the group's timeout.
+        """
+        import gc
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        self.size = 0
+
+    def form(self, size: int, name: str | None = None) -> bool:
+        """Leave the current default group; processes ``0 .. size-1`` form a new one.
+
+        Args:
+            size: the new group's size.
+            name: the group's name in the store (default: the next generation
+                number); processes that meet on purpose, e.g. survivors and a
+                replacement after a failure, pass the same name.
+
+        Returns:
+            Whether this process is in the new group (rank ``process``).
+        """
+        import torch.distributed as dist
+
+        self.generation += 1
+        key = name or str(self.generation)
+        self.leave()
+        self.size = size
+        if self.process >= size:
+            return False
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"tenplex/group/{key}", self.store),
+                                rank=self.process, world_size=size, timeout=self.timeout)
+        return True
+
+
+def init_parallel_state(config, seed: int) -> None:
+    """``parallel_state`` at ``config`` over the default group, seeded as Megatron-LM seeds a fresh run.
+
+    ``megatron/training/initialize.py::_set_random_seed``: seed ``seed + 100 * pp_rank`` for
+    torch's generator and ``model_parallel_cuda_manual_seed`` (the tracker's streams).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=config.tp,
+                                 pipeline_model_parallel_size=config.pp)
+    base = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    torch.manual_seed(base)
+    model_parallel_cuda_manual_seed(base)
+
+
+def destroy_parallel_state() -> None:
+    """Drop megatron-core's parallel state and every reference it keeps to a process group.
+
+    megatron-core 0.16.1's ``destroy_model_parallel`` leaves some groups set
+    (``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo twin,
+    ``_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``); a group kept alive keeps its
+    connections open, and after a failure peers blocked on this process would
+    wait for the timeout. So every module-level group left is dropped too.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    for name, value in list(vars(ps).items()):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if name.startswith("_") and items and all(isinstance(v, dist.ProcessGroup) for v in items):
+            setattr(ps, name, None)
