@@ -3,7 +3,7 @@
 Each case of :mod:`hostile_corpus` must raise its tenplex error from the
 lowest API that reads the file (``read_metadata``, ``SafeReader``,
 ``safe_load`` with and without ``mmap``, ``read_objects``) and from the
-format's reader (``read_dist``, ``read_legacy``, ``reshard_dist``), with
+format's reader (``open_dist``, ``open_legacy`` read in full, ``reshard_dist``), with
 nothing run. Real files written by megatron-core must load exactly as
 Python's and torch's own unpicklers load them, and the allow-lists must hold
 exactly the globals those files name.
@@ -28,8 +28,9 @@ from tenplex.errors import TenplexError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron import dcp_safe, safe_load as safe_load_module
 from tenplex_megatron.dcp_safe import SafeReader, read_metadata, read_objects
-from tenplex_megatron.dist import read_dist, reshard_dist
-from tenplex_megatron.legacy import read_legacy
+from tenplex_megatron.dcp_source import open_dist
+from tenplex_megatron.dist_direct import reshard_dist
+from tenplex_megatron.legacy import open_legacy
 from tenplex_megatron.safe_load import safe_load
 
 
@@ -65,8 +66,20 @@ def test_api_refuses_hostile_file(case, real, tmp_path, monkeypatch):
         _refuses(case, lambda: reshard_dist(str(ckpt), str(tmp_path / "out"), ParallelConfig()))
         assert not (tmp_path / "out").exists()
     else:
-        _refuses(case, lambda: (read_dist if case.fmt == "dist" else read_legacy)(str(ckpt)))
+        _refuses(case, lambda: _read_everything(case.fmt, str(ckpt)))
     assert not ctx.marker.exists() and not list(tmp_path.rglob(CWD_MARKER)), "a payload ran"
+
+
+def _read_everything(fmt: str, root: str) -> None:
+    """Open the checkpoint as a shard source and read every stored tensor and value in full."""
+    source = (open_dist if fmt == "dist" else open_legacy)(root)
+    ranks = range(source.config.world_size)
+    for path, _ in source.tree.tensors():
+        for record in {source.record(path, r) for r in ranks}:
+            source.read(record)
+    for path, leaf in source.tree.values():
+        for key in {leaf.key(source.config, r) for r in ranks}:
+            source.value(path, key)
 
 
 def _same(a, b) -> bool:
