@@ -9,12 +9,14 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
+
+from tests.helpers.rendezvous import free_port
+
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")
@@ -107,14 +109,8 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         raise
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_live_expert_parallel_changes_are_bit_exact(tmp_path):
-    port = _port()
+    port = free_port()
     procs = [CTX.Process(target=worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
         p.start()

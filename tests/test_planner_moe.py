@@ -4,13 +4,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from strategies import tree_and_configs
 from tenplex.errors import ConfigError
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import Box, ParallelConfig as P, Sharding, assemble, materialize
 from tenplex.ptree.shards import bitwise_equal
 from tenplex.transform import Link, OpKind, Placement, best_placement, execute_local, make_plan
 from tenplex.transform.verify import check_plan
+
+from tests.helpers.strategies import tree_and_configs
+
 
 MOE = GPTSpec(num_layers=4, hidden=16, heads=4, query_groups=2, ffn=32, vocab=50, seq_len=8,
               swiglu=True, num_experts=4, moe_ffn=16, topk=2, shared_expert_ffn=16,

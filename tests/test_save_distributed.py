@@ -14,22 +14,19 @@ import fsspec
 import pytest
 import torch
 
-import staging_workers as sw
 import tenplex
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.ptree.shards import bitwise_equal
 from tenplex.ptree.tree import Scope
 
+from tests.helpers import staging_workers as sw
+from tests.helpers.rendezvous import free_port
+
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(tmp_path, config: str, urls, storage_options=None, block=256, fail=None):
@@ -105,7 +102,7 @@ def test_a_failed_writer_fails_every_process_and_commits_nothing(tmp_path):
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A moto S3 server on 127.0.0.1, started and stopped here (as tests/store/conftest.py does)."""
-    port = _port()
+    port = free_port()
     env = dict(os.environ, **S3_ENV)
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
