@@ -166,9 +166,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
             writer.commit(target_values(tree, plan, reader))
     finally:
         runner.close()
-    padding = [f"{p.path}: axis {p.axis} padded {p.src_padded} -> {p.dst_padded} "
-               f"(logical {p.logical}; {p.created} rows zero-filled, {p.dropped} dropped)"
-               for p in plan.padding]
+    padding = [str(p) for p in plan.padding]
     return ReshardReport(reader.config, to, reader.bytes_read, runner.bytes_needed,
                          writer.bytes_written, time.perf_counter() - start, plan.totals, padding)
 
