@@ -61,9 +61,11 @@ def _definition(path: str, dotted: str) -> ast.AST | None:
     return node
 
 
-def _identifiers(node: ast.AST) -> set[str]:
-    """Every name and attribute a definition's source mentions."""
-    out = set()
+def _identifiers(node: ast.AST | None) -> set[str]:
+    """Every name and attribute a definition's source mentions (none for a missing one)."""
+    out: set[str] = set()
+    if node is None:
+        return out
     for n in ast.walk(node):
         if isinstance(n, ast.Name):
             out.add(n.id)
