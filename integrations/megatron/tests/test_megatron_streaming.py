@@ -54,7 +54,7 @@ def _counting_open(real):
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
 def test_inspect_and_plan_read_under_one_percent_of_the_bytes(big, monkeypatch, capsys, fmt):
     root = str(big / fmt)
-    total = fsspec.filesystem("file").du(str(root), total=True)
+    total = fsspec.filesystem("file").du(root, total=True)
     assert main(["inspect", root]) == 0  # imports and entry points loaded before counting
     monkeypatch.setattr(builtins, "open", _counting_open(builtins.open))
     monkeypatch.setattr(io, "open", builtins.open)
