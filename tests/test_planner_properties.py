@@ -1,6 +1,6 @@
 """Property tests: any GPT-style tree (dense or MoE), any pair of valid configs with world <= 8.
 
-Configs draw dp, tp, pp, cp, ep, etp, vpp, uneven stages and two rank orders (tests/strategies.py).
+Configs draw dp, tp, pp, cp, ep, etp, vpp, uneven stages and two rank orders (tests/helpers/strategies.py).
 """
 
 from hypothesis import given
