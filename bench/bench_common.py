@@ -10,6 +10,8 @@ import resource
 import socket
 import time
 
+import fsspec
+
 from tenplex.models import GPTSpec
 
 BYTES_PER_PARAM = 2 + 4 + 4 + 4  # bf16 weight; fp32 exp_avg, exp_avg_sq, main_param
@@ -120,7 +122,8 @@ def io_counters() -> tuple[int, int]:
 
 
 def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    """Bytes of the files under local directory ``path`` (fsspec's ``du``)."""
+    return int(fsspec.filesystem("file").du(path, total=True))
 
 
 # -- timing across torch.distributed processes (gloo) ----------------------------------------

@@ -68,13 +68,9 @@ import socket
 import tempfile
 import time
 
-from bench_common import (check_plain_sharding, free_port, logical_bytes, make_spec as _make_spec,
+from bench_common import (check_plain_sharding, free_port, logical_bytes, make_spec,
                           pattern, phase_table, profile_path, ring, slowest, timed)
 
-
-def make_spec(mb: float):
-    """A GPTSpec of about ``mb`` MB (see bench_common.make_spec)."""
-    return _make_spec(mb * 1e6)
 
 WORLD = 4
 SEED = 0
@@ -318,7 +314,7 @@ def main() -> None:
     from tenplex.models import gpt_tree
     from tenplex.ptree import ParallelConfig
 
-    spec = make_spec(args.mb)
+    spec = make_spec(args.mb * 1e6)
     tree = gpt_tree(spec)
     src, dst = ParallelConfig.parse(args.src), ParallelConfig.parse(args.dst)
     check_plain_sharding(tree, [src, dst])

@@ -71,14 +71,13 @@ import tempfile
 import time
 
 from bench_common import (check_plain_sharding, cpu_s, dir_bytes, free_port, io_counters,
-                          logical_bytes, peak_rss_mb, reset_peak_rss, make_spec as _make_spec)
+                          logical_bytes, make_spec, peak_rss_mb, reset_peak_rss)
 
 
-def make_spec(gb: float):
-    """A GPTSpec of about ``gb`` GB (see bench_common.make_spec)."""
-    return _make_spec(gb * 1e9, vocabs=(32768, 8192, 2048),
-                      hiddens=(256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192),
-                      layers=range(2, 97, 2))  # even: the pp=2 change splits the layers
+SHAPES = dict(vocabs=(32768, 8192, 2048),
+              hiddens=(256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192),
+              layers=range(2, 97, 2))  # even: the pp=2 change splits the layers
+"""The model shapes ``make_spec`` chooses among here."""
 
 SOURCE = "dp=2,tp=2,pp=1"
 CHANGES = {"tp4": "dp=1,tp=4,pp=1", "pp2": "dp=2,tp=1,pp=2"}
@@ -436,7 +435,7 @@ def main() -> None:
     from tenplex.models import gpt_tree, random_state
     from tenplex.ptree import ParallelConfig
 
-    spec = make_spec(args.gb)
+    spec = make_spec(args.gb * 1e9, **SHAPES)
     tree = gpt_tree(spec)
     configs = [ParallelConfig.parse(SOURCE)] + [ParallelConfig.parse(c) for c in CHANGES.values()]
     check_plain_sharding(tree, configs)

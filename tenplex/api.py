@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -20,12 +20,10 @@ from tenplex.store.verify import verify_store
 from tenplex.store.writer import StoreWriter, save
 from tenplex.transform.plan import Totals
 from tenplex.transform.planner import make_plan
-from tenplex.units import format_bytes
+from tenplex.units import Progress, format_bytes
 
 __all__ = ["save", "load", "load_global", "reshard", "verify", "ReshardReport"]
 
-Progress = Callable[[int, int], None]
-"""``progress(done_bytes, total_bytes)``, as everywhere in tenplex."""
 
 
 @dataclass
@@ -166,9 +164,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | N
             writer.commit(target_values(tree, plan, reader))
     finally:
         runner.close()
-    padding = [f"{p.path}: axis {p.axis} padded {p.src_padded} -> {p.dst_padded} "
-               f"(logical {p.logical}; {p.created} rows zero-filled, {p.dropped} dropped)"
-               for p in plan.padding]
+    padding = [str(p) for p in plan.padding]
     return ReshardReport(reader.config, to, reader.bytes_read, runner.bytes_needed,
                          writer.bytes_written, time.perf_counter() - start, plan.totals, padding)
 

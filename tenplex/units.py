@@ -1,8 +1,14 @@
-"""Units for people: the one byte formatter of tenplex (library reports and the CLI)."""
+"""Bytes: the one byte formatter of tenplex (library reports and the CLI), and the one
+progress-callback type."""
 
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
+from typing import Callable
+
+__all__ = ["Progress", "format_bytes"]
+
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, the only kind of progress callback in tenplex."""
 
 
 def format_bytes(n: float) -> str:

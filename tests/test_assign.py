@@ -2,10 +2,11 @@
 
 from hypothesis import given
 
-from strategies import tree_and_configs
 from tenplex.models import GPTSpec, gpt_tree
 from tenplex.ptree import ParallelConfig as P
 from tenplex.transform import Placement, best_placement, make_plan
+
+from tests.helpers.strategies import tree_and_configs
 
 
 def test_same_config_on_shuffled_devices_moves_nothing():

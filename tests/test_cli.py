@@ -6,12 +6,13 @@ import subprocess
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategies import tree_and_configs
 from tenplex.api import load_global, save
 from tenplex.cli.main import main
 from tenplex.models import random_state
 from tenplex.ptree import materialize
 from tenplex.ptree.shards import bitwise_equal
+
+from tests.helpers.strategies import tree_and_configs
 
 
 @given(tree_and_configs(), st.integers(0, 2**31))

@@ -3,23 +3,19 @@
 import json
 import multiprocessing as mp
 import signal
-import socket
 import time
 
 import pytest
 
-import elastic_workers as w
 from tenplex.api import save
 from tenplex.ptree import materialize
 
+from tests.helpers import elastic_workers as w
+from tests.helpers.rendezvous import free_port
+
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(procs, timeout=180):
@@ -44,7 +40,7 @@ def _errors(d):
 
 
 def test_reconfigure_through_tp_pp_dp_changes_and_world_changes(tmp_path):
-    port = _port()
+    port = free_port()
     codes = _run([CTX.Process(target=w.sequence, args=(r, 4, port, str(tmp_path))) for r in range(4)])
     assert codes == [0, 0, 0, 0], _errors(tmp_path)
     rows = _read(tmp_path, "sequence")
@@ -54,7 +50,7 @@ def test_reconfigure_through_tp_pp_dp_changes_and_world_changes(tmp_path):
 
 
 def _recovery(tmp_path, kill, store, tree_name):
-    pa, pb = _port(), _port()
+    pa, pb = free_port(), free_port()
     survivors = [CTX.Process(target=w.survivor, args=(r, pa, pb, kill, store, str(tmp_path), tree_name))
                  for r in range(4)]
     for p in survivors:
@@ -109,7 +105,7 @@ def test_recover_without_store_reports_the_missing_regions(tmp_path):
 
 
 def test_peer_dying_mid_transfer_fails_cleanly_and_rerun_succeeds(tmp_path):
-    pa, pb = _port(), _port()
+    pa, pb = free_port(), free_port()
     procs = [CTX.Process(target=w.fault, args=(r, pa, pb, str(tmp_path))) for r in range(4)]
     start = time.time()
     codes = _run(procs, timeout=120)
@@ -120,9 +116,8 @@ def test_peer_dying_mid_transfer_fails_cleanly_and_rerun_succeeds(tmp_path):
         assert got["first"].startswith("TransferError") and got["rerun"] == "ok", got
 
 
-
 def test_agreement_and_rank_declarations_across_four_processes(tmp_path):
-    port = _port()
+    port = free_port()
     codes = _run([CTX.Process(target=w.agreement, args=(r, port, str(tmp_path))) for r in range(4)])
     assert codes == [0, 0, 0, 0], _errors(tmp_path)
     got = [_read(tmp_path, f"agreement-{r}") for r in range(4)]

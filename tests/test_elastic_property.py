@@ -14,9 +14,11 @@ import uuid
 import pytest
 from hypothesis import Phase, example, given, settings, strategies as st
 
-import property_workers as pw
-from strategies import gpt_specs, valid_configs
 from tenplex.models import gpt_tree
+
+from tests.helpers import property_workers as pw
+from tests.helpers.strategies import gpt_specs, valid_configs
+
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")

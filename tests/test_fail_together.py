@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-import fault_workers as fw
+from tests.helpers import fault_workers as fw
+
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")

@@ -13,7 +13,8 @@ import multiprocessing as mp
 
 import pytest
 
-import budget_workers as bw
+from tests.helpers import budget_workers as bw
+
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 BUDGET = 4 << 20

@@ -9,12 +9,14 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
+
+from tests.helpers.rendezvous import free_port
+
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")
@@ -57,25 +59,13 @@ def _check(state, tree, config, rank, tensors, values):
             assert state[path] == values[path].get(tree[path].key(config, rank)), (rank, path)
 
 
-def _carried(tree, values, dst):
-    """Scoped values survive at coordinates that still exist; a new coordinate has none."""
-    from tenplex.ptree.tree import Scope
-    out = {}
-    for path, leaf in tree.values():
-        if leaf.scope is Scope.GLOBAL:
-            out[path] = values[path]
-        else:
-            keys = {leaf.key(dst, r) for r in range(dst.world_size)}
-            out[path] = {k: values[path].get(k) for k in keys}
-    return out
-
-
 def worker(rank: int, port: int, out_dir: str) -> None:
     """Reconfigure through the sequence; every step checked bit for bit against the global state."""
     import torch.distributed as dist
 
     from tenplex.models import gpt_tree, random_state
     from tenplex.ptree import materialize
+    from tests.helpers.elastic_workers import expected_values
 
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -90,7 +80,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         rows = []
         for src, dst in zip(configs, configs[1:]):
             local, rep = _reconfigure(local, tree, src, dst)
-            values = _carried(tree, values, dst)
+            values = expected_values(values, src, dst, tree)
             if rank < dst.world_size:
                 _check(local, tree, dst, rank, tensors, values)
             else:
@@ -107,14 +97,8 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         raise
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_live_expert_parallel_changes_are_bit_exact(tmp_path):
-    port = _port()
+    port = free_port()
     procs = [CTX.Process(target=worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
         p.start()

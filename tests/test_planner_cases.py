@@ -7,32 +7,12 @@ from tenplex.errors import MissingDataError, ReplicaMismatchError, ShardError
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import (Box, DPShard, FlatBuffer, Layout, ParallelConfig as P, PTree,
                            Sharding, Stage, StageKind, TensorLeaf, assemble, materialize)
-from tenplex.ptree.shards import bitwise_equal
 from tenplex.transform import Link, OpKind, execute_local, make_plan
-from tenplex.transform.verify import check_plan
+
+from tests.helpers.planning import ops, reshard
+
 
 SPEC = GPTSpec(num_layers=4, hidden=16, heads=8, query_groups=8, ffn=32, vocab=50, seq_len=8)
-
-
-def reshard(tree, a, b, **kw):
-    state = random_state(tree, a, 3)
-    src = {r: materialize(tree, state, a, r) for r in range(a.world_size)}
-    plan = make_plan(tree, a, b, **kw)
-    out, stats = execute_local(plan, tree, src)
-    after = assemble(tree, b, out)
-    for path, leaf in tree.tensors():
-        assert bitwise_equal(after[path], state[path]), path
-    check_plan(plan, tree)
-    assert stats.total == plan.totals.needed
-    assert plan.totals.moved == plan.totals.lower_bound
-    return plan, out
-
-
-def ops(plan, path, rank):
-    return [(op.src_rank, op.region, op.kind, op.link) for op in plan.ops
-            if op.path == path and op.dst_rank == rank]
-
-
 FC1 = "model/layers/0/mlp/fc1/weight"
 
 

@@ -4,13 +4,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from strategies import tree_and_configs
 from tenplex.errors import ConfigError
-from tenplex.models import GPTSpec, gpt_tree, random_state
-from tenplex.ptree import Box, ParallelConfig as P, Sharding, assemble, materialize
-from tenplex.ptree.shards import bitwise_equal
-from tenplex.transform import Link, OpKind, Placement, best_placement, execute_local, make_plan
-from tenplex.transform.verify import check_plan
+from tenplex.models import GPTSpec, gpt_tree
+from tenplex.ptree import Box, ParallelConfig as P, Sharding
+from tenplex.transform import Link, OpKind, Placement, best_placement, make_plan
+
+from tests.helpers.planning import ops, reshard
+from tests.helpers.strategies import tree_and_configs
+
 
 MOE = GPTSpec(num_layers=4, hidden=16, heads=4, query_groups=2, ffn=32, vocab=50, seq_len=8,
               swiglu=True, num_experts=4, moe_ffn=16, topk=2, shared_expert_ffn=16,
@@ -21,25 +22,6 @@ DIST = GPTSpec(**{**MOE.__dict__, "optimizer": "distributed_adam", "dtype": "bfl
 
 def expert(g, name="fc1/weight", layer=0):
     return f"model/layers/{layer}/mlp/experts/{g}/{name}"
-
-
-def reshard(tree, a, b, **kw):
-    state = random_state(tree, a, 5)
-    src = {r: materialize(tree, state, a, r) for r in range(a.world_size)}
-    plan = make_plan(tree, a, b, **kw)
-    out, stats = execute_local(plan, tree, src)
-    after = assemble(tree, b, out)
-    for path, leaf in tree.tensors():
-        assert bitwise_equal(after[path], state[path]), path
-    check_plan(plan, tree)
-    assert stats.total == plan.totals.needed
-    assert plan.totals.moved == plan.totals.lower_bound
-    return plan, out
-
-
-def ops(plan, path, rank):
-    return [(op.src_rank, op.region, op.kind, op.link) for op in plan.ops
-            if op.path == path and op.dst_rank == rank]
 
 
 def keep_fc1(src, link):

@@ -1,17 +1,18 @@
 """Property tests: any GPT-style tree (dense or MoE), any pair of valid configs with world <= 8.
 
-Configs draw dp, tp, pp, cp, ep, etp, vpp, uneven stages and two rank orders (tests/strategies.py).
+Configs draw dp, tp, pp, cp, ep, etp, vpp, uneven stages and two rank orders (tests/helpers/strategies.py).
 """
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strategies import tree_and_configs
 from tenplex.models import random_state
 from tenplex.ptree.shards import assemble, bitwise_equal, materialize
 from tenplex.ptree.tree import Scope
 from tenplex.transform import Link, OpKind, Plan, execute_local, make_plan
 from tenplex.transform.verify import check_plan
+
+from tests.helpers.strategies import tree_and_configs
 
 
 def _reshard(tree, a, b, seed=0):

@@ -16,7 +16,7 @@ from math import prod
 from tqdm import tqdm
 
 from tenplex.cli.formats import TENPLEX, detect, formats
-from tenplex.cli.render import matrix, padding_line, size, table
+from tenplex.cli.render import matrix, size, table
 from tenplex.errors import ConfigError
 from tenplex.ptree.sharding import Sharding
 from tenplex.store.reader import StoreReader
@@ -70,7 +70,7 @@ def _open(path: str, args):
 
 def _report(args, summary: dict, padding, notes) -> None:
     """Print a reshard's padding changes and notes (stderr) and its summary (stdout)."""
-    lines = [c if isinstance(c, str) else padding_line(c) for c in padding]
+    lines = [str(c) for c in padding]  # PaddingChange, or plugins' own lines
     for line in lines:
         print(f"padding: {line}", file=sys.stderr)
     for note in notes:
@@ -192,7 +192,7 @@ def plan(args) -> int:
     print(f"moved           {size(t.moved)}   (lower bound {size(t.lower_bound)})")
     print(f"busiest sender  {size(t.max_sender)}")
     for x in p.padding:
-        print(f"padding: {padding_line(x)}")
+        print(f"padding: {x}")
     print(matrix(p.matrix(), src.world_size, dst.world_size))
     return 0
 

@@ -15,7 +15,7 @@ from tenplex.cli.formats import commands as plugin_commands
 from tenplex.errors import ConfigError, TenplexError
 from tenplex.ptree.config import ParallelConfig
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "command_names", "COMMANDS"]
 
 
 def _config(text: str) -> ParallelConfig:
@@ -25,49 +25,76 @@ def _config(text: str) -> ParallelConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tenplex", description="Plan and move training state between (dp, tp, pp) configs.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    parser.add_argument("--model-config", default=None, metavar="JSON",
-                        help="model config for checkpoints that do not carry one (format plugins)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+TO_METAVAR = "dp=D,tp=T,pp=P[,cp=C,ep=E,etp=ET,vpp=V,stages=a:b:...]"
+TO_HELP = "the target config: axes dp, tp, pp, cp, ep, etp, vpp (missing ones are 1; etp defaults to tp)"
 
-    p = sub.add_parser("reshard", help="convert a checkpoint to another parallel config")
+
+def _reshard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint (path or fsspec URL)")
     p.add_argument("dst", help="where to write the result (must not exist as a checkpoint)")
-    p.add_argument("--to", type=_config, required=True, metavar="dp=D,tp=T,pp=P")
+    p.add_argument("--to", type=_config, required=True, metavar=TO_METAVAR, help=TO_HELP)
     p.add_argument("--format", default=None,
                    help="output format (default: the source's); 'tenplex' or a plugin's name")
     p.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
-    p = sub.add_parser("inspect", help="show a checkpoint's config, tree and sizes")
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("plan", help="show what a reshard would move, without moving it")
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
-    p.add_argument("--to", type=_config, required=True, metavar="dp=D,tp=T,pp=P")
+    p.add_argument("--to", type=_config, required=True, metavar=TO_METAVAR, help=TO_HELP)
     p.add_argument("--per-host", type=int, default=8, help="devices per host (default 8)")
     p.add_argument("--best-placement", action="store_true",
                    help="place the new ranks on devices to keep the most bytes in place")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("verify", help="check a checkpoint's files on disk: checksums, sizes, metadata")
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--checksums", action="store_true",
                    help="also print an xxh3-128 digest of every file (plugin formats)")
     p.add_argument("--threads", type=int, default=8, help="files checked at once (default 8)")
 
-    p = sub.add_parser("example", help="write a random GPT-style checkpoint to try the tools on")
+
+def _example_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst")
     p.add_argument("--config", type=_config, default=ParallelConfig(dp=2, tp=2, pp=1),
-                   metavar="dp=D,tp=T,pp=P")
+                   metavar=TO_METAVAR)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+
+
+COMMANDS = {  # name -> (help, adds its arguments); run by tenplex.cli.commands.<name>
+    "reshard": ("convert a checkpoint to another parallel config", _reshard_arguments),
+    "inspect": ("show a checkpoint's config, tree and sizes", _inspect_arguments),
+    "plan": ("show what a reshard would move, without moving it", _plan_arguments),
+    "verify": ("check a checkpoint's files on disk: checksums, sizes, metadata", _verify_arguments),
+    "example": ("write a random GPT-style checkpoint to try the tools on", _example_arguments),
+}
+"""The core commands; plugins add theirs through the ``tenplex.commands`` entry point."""
+
+
+def command_names() -> list[str]:
+    """Every command ``tenplex`` takes: the core ones, then the plugins' (sorted)."""
+    return list(COMMANDS) + sorted(plugin_commands())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tenplex", description="Plan and move training state between parallel configs "
+                                    "(dp, tp, pp, cp, ep, etp, vpp).")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--model-config", default=None, metavar="JSON",
+                        help="model config for checkpoints that do not carry one (format plugins)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (text, add_arguments) in COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=text))
     for name, command in sorted(plugin_commands().items()):  # e.g. the Megatron integration's demo
         p = sub.add_parser(name, help=command.help)
         command.add_arguments(p)

@@ -1,16 +1,10 @@
-"""Plain-text rendering for the CLI: sizes, tables, matrices, padding changes."""
+"""Plain-text rendering for the CLI: sizes, tables, matrices."""
 
 from __future__ import annotations
 
 from tenplex.units import format_bytes as size
 
-__all__ = ["size", "table", "matrix", "padding_line"]
-
-
-def padding_line(change) -> str:
-    """One line for a :class:`~tenplex.transform.plan.PaddingChange` (rows created or dropped)."""
-    return (f"{change.path}: axis {change.axis} padded {change.src_padded} -> {change.dst_padded} "
-            f"(logical {change.logical}; {change.created} rows zero-filled, {change.dropped} dropped)")
+__all__ = ["size", "table", "matrix"]
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from tenplex.ptree.config import COORD_AXES, ParallelConfig
+from tenplex.ptree.grid import group_index
 
 __all__ = ["RankTable"]
 
@@ -29,13 +30,7 @@ class RankTable:
         ranks = np.arange(config.world_size, dtype=np.int64)
         sizes = config.sizes()
         self.coord = {axis: (ranks // config.stride(axis)) % sizes[axis] for axis in COORD_AXES}
-        index = np.zeros_like(ranks)
-        scale = 1
-        for token in config.grid_order:
-            if token in ("cp", "dp"):
-                index += self.coord[token] * scale
-                scale *= sizes[token]
-        self.coord["dpcp"] = index
+        self.coord["dpcp"] = group_index(self.coord, ("cp", "dp"), config.grid_order, sizes)
         self._memo: dict = {}
 
     def groups(self, stages: tuple[int, ...], owner: int | None,

@@ -232,12 +232,6 @@ class PTree:
                 return buf
         raise LayoutError(f"PTree: no buffer named {name!r}")
 
-    def subtree(self, prefix: str) -> "PTree":
-        """The leaves under ``prefix/`` (buffers kept)."""
-        prefix = prefix.rstrip("/") + "/"
-        return PTree({p: l for p, l in self.leaves.items() if p.startswith(prefix)},
-                     self.num_layers, self.buffers)
-
     def validate(self, config: ParallelConfig) -> None:
         """Check that ``config`` can hold this tree.
 

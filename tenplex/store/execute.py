@@ -25,12 +25,9 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, torch_dtype
 from tenplex.store.blocks import box_runs
 from tenplex.store.source import ShardSource
-from tenplex.transform.plan import KIND_CODE, OpKind, Plan
+from tenplex.transform.plan import OpKind, Plan
 
 __all__ = ["StorePlanRunner", "target_values"]
-
-_FILL = KIND_CODE[OpKind.FILL]
-
 
 @dataclass
 class _Op:

@@ -27,7 +27,7 @@ import re
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -42,12 +42,10 @@ from tenplex.store.manifest_parse import MAX_BLOCK
 from tenplex.store.safetensors_format import Entry, header_bytes
 from tenplex.store.url import StoreRoot, translate_errors
 from tenplex.store.values import check_values, gather_values
+from tenplex.units import Progress
 
-__all__ = ["StoreWriter", "Progress", "save", "shard_file", "file_rank"]
+__all__ = ["StoreWriter", "save", "shard_file", "file_rank"]
 
-Progress = Callable[[int, int], None]
-"""``progress(done_bytes, total_bytes)``: tensor bytes written so far and in all, after
-each tensor; the last call (``done == total``) comes before the commit."""
 
 WRITE_BUFFER = 8 << 20
 """Bytes an open remote file buffers before it uploads a part (8 MiB; s3fs's default is 50 MiB)."""
@@ -140,7 +138,8 @@ class StoreWriter:
         storage_options: fsspec options.
         block: checksum block size in bytes, ``0 < block <= MAX_BLOCK``.
         meta: free-form JSON kept in the manifest.
-        progress: see :data:`Progress`.
+        progress: ``progress(done_bytes, total_bytes)``: tensor bytes written so far and in
+            all, after each tensor; the last call (``done == total``) comes before the commit.
         clear: ignored; kept for callers of the earlier API, where it removed
             leftovers of an interrupted save (a writer now never removes
             files it did not write, and its file names never collide).
@@ -321,7 +320,7 @@ def save(url: str, tree: PTree, config: ParallelConfig, shards_by_rank: Mapping[
         meta: free-form JSON kept in the manifest.
         threads: files written at once.
         block: checksum block size in bytes.
-        progress: ``progress(done_bytes, total_bytes)`` (see :data:`Progress`).
+        progress: ``progress(done_bytes, total_bytes)`` (see :class:`StoreWriter`).
 
     Returns:
         The committed manifest.

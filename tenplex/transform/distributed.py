@@ -47,7 +47,7 @@ from tenplex.ptree.tree import PTree
 from tenplex.transform.comm import Comm
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 from tenplex.transform.local import allocate
-from tenplex.transform.plan import KIND_CODE, LINK_CODE, Link, OpKind, Plan
+from tenplex.transform.plan import FILL_CODE, LINK_CODE, Link, OpKind, Plan
 from tenplex.transform.streams import MIN_CHUNK, Buffers, Stream, chunk_shares
 
 __all__ = ["DistStats", "execute_distributed", "DEFAULT_BUDGET"]
@@ -62,7 +62,6 @@ are sent from the source shard and received into the target shard, without buffe
 STORE_THREADS = 4
 """Store reads in flight at once during recovery."""
 
-_FILL = KIND_CODE[OpKind.FILL]
 _STORE = LINK_CODE[Link.STORE]
 
 
@@ -136,7 +135,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     n = len(c["dst"])
     src_proc = np.where(c["src"] >= 0, proc_src[np.maximum(c["src"], 0)], -1)
     dst_proc = proc_dst[c["dst"]] if n else np.zeros(0, dtype=np.int64)
-    fill, store = c["kind"] == _FILL, c["link"] == _STORE
+    fill, store = c["kind"] == FILL_CODE, c["link"] == _STORE
     cross = (src_proc >= 0) & (src_proc != dst_proc) & ~fill & ~store
     ctx = _Context(plan, tree, local, out)
     mine_in = dst_proc == me

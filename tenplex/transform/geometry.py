@@ -12,6 +12,7 @@ Everything here is pure and deterministic; nothing touches tensor data.
 
 from __future__ import annotations
 
+import enum
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -22,9 +23,17 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import TensorLeaf
 from tenplex.transform.plan import KIND_CODE, OpKind
 
-__all__ = ["Segment", "LeafGeometry", "signature", "tp_symmetric", "tp_shift"]
+__all__ = ["SegmentType", "Segment", "LeafGeometry", "signature", "tp_symmetric", "tp_shift"]
 
-COPY, FILL, MISSING = 0, 1, 2
+class SegmentType(enum.IntEnum):
+    """What covers a segment of a target piece (not an :class:`~tenplex.transform.plan.OpKind`)."""
+
+    COPY = 0
+    """Live source pieces hold it: it becomes copy ops."""
+    FILL = 1
+    """Padding only the target has: it becomes an ``OpKind.FILL`` op."""
+    MISSING = 2
+    """No live source holds it: a store read, or :class:`~tenplex.errors.MissingDataError`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +41,11 @@ class Segment:
     """A box of one target piece and the source pieces that hold all of it.
 
     Attributes:
-        type: COPY (0), FILL (1, padding only the target has) or MISSING (2,
-            no live source holds it).
+        type: a :class:`SegmentType`.
         box: the global box.
         dst_piece: the target piece index.
         alts: ``((pool, src_piece, kind code), ...)``, best first; empty
-            unless ``type == COPY``.
+            unless ``type == SegmentType.COPY``.
     """
 
     type: int
@@ -237,7 +245,7 @@ def _rel(box: Box, origin) -> tuple:
 
 def _cover_relative(target: Box, inside: Box | None, extent: Box, near: list, prefer: int):
     """Segments of ``target`` as ``(type, offsets - target offsets, sizes, ((near index, kind), ...))``."""
-    out = [(FILL, b) for b in (subtract(target, extent) if inside != target else ())]
+    out = [(SegmentType.FILL, b) for b in (subtract(target, extent) if inside != target else ())]
     alts_of = {}
     if inside is not None:
         hits = [(i, c, b) for i, c in enumerate(near) if (b := intersect(c.box, inside))]
@@ -256,15 +264,15 @@ def _cover_relative(target: Box, inside: Box | None, extent: Box, near: list, pr
                     continue
                 alts_of[seg] = tuple((i, _kind(seg, c.box, target)) for i, c, b in hits
                                      if contains(b, seg))
-                copies.append((COPY, seg))
+                copies.append((SegmentType.COPY, seg))
                 rest.extend(subtract(box, seg))
             remaining = rest
         copies.sort(key=lambda s: s[1].offsets)
         out.extend(copies)
-        out.extend((MISSING, b) for b in remaining)
+        out.extend((SegmentType.MISSING, b) for b in remaining)
     origin = target.offsets
     return tuple((typ, tuple(o - r for o, r in zip(b.offsets, origin)), b.sizes,
-                  alts_of.get(b, ()) if typ == COPY else ()) for typ, b in out)
+                  alts_of.get(b, ()) if typ == SegmentType.COPY else ()) for typ, b in out)
 
 
 def _kind(seg: Box, src_box: Box, dst_box: Box) -> int:

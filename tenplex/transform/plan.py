@@ -111,6 +111,11 @@ class PaddingChange:
     def dropped(self) -> int:
         return max(0, self.src_padded - self.dst_padded)
 
+    def __str__(self) -> str:
+        """One line, as the CLI and :class:`~tenplex.api.ReshardReport` show it."""
+        return (f"{self.path}: axis {self.axis} padded {self.src_padded} -> {self.dst_padded} "
+                f"(logical {self.logical}; {self.created} rows zero-filled, {self.dropped} dropped)")
+
 
 @dataclass(frozen=True)
 class Totals:
@@ -150,6 +155,8 @@ _KINDS = tuple(OpKind)
 _LINKS = tuple(Link)
 KIND_CODE = {k: i for i, k in enumerate(_KINDS)}
 LINK_CODE = {k: i for i, k in enumerate(_LINKS)}
+FILL_CODE = KIND_CODE[OpKind.FILL]
+"""The ``kind`` column's code of :attr:`OpKind.FILL` (the only thing named FILL besides it)."""
 
 
 class OpTable:
@@ -324,7 +331,7 @@ class Plan:
     def matrix(self) -> dict[tuple[int, int], int]:
         """``{(src_rank, dst_rank): bytes}`` over all ops but FILL (src -1: store reads)."""
         c = self.table.cols
-        keep = c["kind"] != KIND_CODE[OpKind.FILL]
+        keep = c["kind"] != FILL_CODE
         out: Counter = Counter()
         for s, d, n in zip(c["src"][keep].tolist(), c["dst"][keep].tolist(),
                            c["nbytes"][keep].tolist()):

@@ -43,8 +43,8 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, TensorLeaf
 from tenplex.transform.geometry import signature
 from tenplex.transform.placement import Placement
-from tenplex.transform.plan import STORE_RANK, OpTable, PaddingChange, Plan, Totals, ValueOp
-from tenplex.transform.template import (FILL_KIND, HOST, LOCAL, NETWORK, STORE, Choice, Devices,
+from tenplex.transform.plan import FILL_CODE, STORE_RANK, OpTable, PaddingChange, Plan, Totals, ValueOp
+from tenplex.transform.template import (HOST, LOCAL, NETWORK, STORE, Choice, Devices,
                                         Segments, TemplateMaker)
 
 __all__ = ["make_plan"]
@@ -245,7 +245,7 @@ class _Builder:
     def totals(self, table: OpTable) -> Totals:
         """Bytes by link, FILL bytes, the busiest sender and the lower bounds, in bytes."""
         c = table.cols
-        fill = c["kind"] == FILL_KIND
+        fill = c["kind"] == FILL_CODE
         by_link = np.bincount(c["link"][~fill], weights=c["nbytes"][~fill], minlength=4)
         moved = (c["link"] != LOCAL) & (c["link"] != STORE)
         sent = np.bincount(c["src"][moved], weights=c["nbytes"][moved]) if moved.any() else [0]

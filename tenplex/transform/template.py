@@ -24,14 +24,13 @@ import numpy as np
 
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import TensorLeaf
-from tenplex.transform.geometry import COPY, MISSING, LeafGeometry, Segment, tp_shift, tp_symmetric
-from tenplex.transform.plan import KIND_CODE, LINK_CODE, STORE_RANK, Link, OpKind
+from tenplex.transform.geometry import LeafGeometry, Segment, SegmentType, tp_shift, tp_symmetric
+from tenplex.transform.plan import FILL_CODE, KIND_CODE, LINK_CODE, STORE_RANK, Link, OpKind
 
 __all__ = ["Devices", "Rows", "Segments", "Choice", "Template", "TemplateMaker"]
 
 LOCAL, HOST, NETWORK, STORE = (LINK_CODE[Link.LOCAL], LINK_CODE[Link.HOST],
                                LINK_CODE[Link.NETWORK], LINK_CODE[Link.STORE])
-FILL_KIND = KIND_CODE[OpKind.FILL]
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,14 +75,14 @@ class Segments:
     """The segments of one kind of leaf.
 
     Attributes:
-        typ: ``[segments]`` int8, COPY, FILL or MISSING.
+        typ: ``[segments]`` int8, a :class:`SegmentType` each.
         offsets: ``[segments, ndim]`` int64, box offsets in the padded global tensor.
         sizes: ``[segments, ndim]`` int64, box sizes.
         dst_piece: ``[segments]`` int32, the target piece each segment lies in.
         volume: ``[segments]`` int64, elements.
         pools: ``[alts, segments]`` int64, the pool of each alternative (-1: none).
         pieces: ``[alts, segments]`` int32, its source piece index.
-        kinds: ``[alts, segments]`` int8, its op kind code (FILL where none).
+        kinds: ``[alts, segments]`` int8, its op kind code (``FILL_CODE`` where none).
     """
 
     typ: np.ndarray
@@ -206,14 +205,14 @@ class TemplateMaker:
         sizes = np.ones((m, d), dtype=np.int64)
         pools = np.full((alts, m), -1, dtype=np.int64)
         pieces = np.full((alts, m), -1, dtype=np.int32)
-        kinds = np.full((alts, m), FILL_KIND, dtype=np.int8)
+        kinds = np.full((alts, m), FILL_CODE, dtype=np.int8)
         for i, s in enumerate(segs):
             n = len(s.box.sizes)
             offsets[i, :n] = s.box.offsets
             sizes[i, :n] = s.box.sizes
             for a, (pool, piece, kind) in enumerate(s.alts):
                 pools[a, i], pieces[a, i], kinds[a, i] = pool, piece, kind
-            if s.type == MISSING:
+            if s.type == SegmentType.MISSING:
                 kinds[0, i] = KIND_CODE[OpKind.REPARTITION]
         return Segments(np.array([s.type for s in segs], dtype=np.int8), offsets, sizes,
                         np.array([s.dst_piece for s in segs], dtype=np.int32),
@@ -294,7 +293,7 @@ class TemplateMaker:
         src = np.full(n, STORE_RANK, dtype=np.int64)
         alt = np.zeros(n, dtype=np.int64)
         link = np.full(n, LOCAL, dtype=np.int8)
-        undecided = typ == COPY
+        undecided = typ == SegmentType.COPY
         for a in range(pools.shape[0]):
             pa = pools[a, seg]
             ok = undecided & (pa >= 0) & member[np.maximum(pa, 0), own]
@@ -323,7 +322,7 @@ class TemplateMaker:
                                 np.nonzero(multi & (p0 == p) & (host == h))[0]))
         net_groups = [(pools_live[p], np.nonzero(net & (p0 == p))[0])
                       for p in np.unique(p0[net]).tolist()]
-        missing = typ == MISSING
+        missing = typ == SegmentType.MISSING
         link[missing] = STORE
         has_host = np.zeros(n, dtype=bool)
         for a in range(pools.shape[0]):

@@ -1,6 +1,6 @@
 """Hypothesis strategies for store tests: GPT trees with MB-sized tensors, configs, blocks.
 
-Unlike ``tests/strategies.py`` (tiny models for the planner), these draw
+Unlike ``tests/helpers/strategies.py`` (tiny models for the planner), these draw
 hidden sizes up to 128 and vocabularies up to 3001 rows, so a stored tensor
 is up to about 1.5 MB and spans hundreds or thousands of the small checksum
 blocks drawn beside it (64 B to 4 KiB, powers of two or not).

@@ -40,8 +40,8 @@ class TestMemoryStore(StoreSuite):
 
 
 class TestS3Store(StoreSuite):
-    """s3:// on a moto server on 127.0.0.1 (see conftest.py)."""
+    """s3:// on a moto server on 127.0.0.1 (see tests/conftest.py)."""
 
     @pytest.fixture
-    def root(self, s3_endpoint):
-        return f"s3://tenplex-test/{uuid.uuid4().hex}"
+    def root(self, s3_bucket):
+        return f"{s3_bucket}/{uuid.uuid4().hex}"

@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 
+import fsspec
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,10 +24,6 @@ BIG = ("--layers 4 --hidden 512 --heads 8 --ffn 2048 --position rope --untie --v
        "--make-vocab-size-divisible-by 128 --seq 8")
 SMALL = ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
          "--vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --batch 4")
-
-
-def dir_bytes(path) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +54,7 @@ def _counting_open(real):
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
 def test_inspect_and_plan_read_under_one_percent_of_the_bytes(big, monkeypatch, capsys, fmt):
     root = str(big / fmt)
-    total = dir_bytes(root)
+    total = fsspec.filesystem("file").du(root, total=True)
     assert main(["inspect", root]) == 0  # imports and entry points loaded before counting
     monkeypatch.setattr(builtins, "open", _counting_open(builtins.open))
     monkeypatch.setattr(io, "open", builtins.open)

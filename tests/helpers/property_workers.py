@@ -23,7 +23,8 @@ from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.ptree.shards import bitwise_equal
 from tenplex.ptree.tree import Scope
-from rendezvous import init_group
+
+from tests.helpers.rendezvous import init_group
 
 
 def compare(tree, got, x, config, rank) -> list[str]:

@@ -1,4 +1,4 @@
-"""Process groups for multi-process tests without a port picked in advance.
+"""Process groups for multi-process tests without a port picked in advance; free ports.
 
 A free port chosen by the test and bound later by process 0 can be taken by
 another job in between (EADDRINUSE). Here process 0 hosts the TCP store on a
@@ -7,6 +7,7 @@ port the kernel assigns, and tells the others through a file.
 
 import datetime
 import os
+import socket
 import time
 
 import torch.distributed as dist
@@ -32,3 +33,11 @@ def init_group(rank: int, world: int, rendezvous: str, timeout: float = 120) -> 
             port = int(f.read())
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=delta)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=delta)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for servers that cannot take port 0,
+    or a ``TCPStore`` one process binds before the others start; see the race above)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

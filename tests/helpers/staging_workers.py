@@ -15,7 +15,9 @@ import tenplex
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.transform.comm import TorchComm
-from rendezvous import init_group
+
+from tests.helpers.rendezvous import init_group
+
 
 SPEC = GPTSpec(num_layers=2, hidden=64, heads=4, query_groups=2, ffn=128, vocab=300, swiglu=True,
                tied=True, dtype="bfloat16", optimizer="distributed_adam", bucket_numel=5000)

@@ -18,7 +18,9 @@ import tenplex
 from tenplex.ptree import ParallelConfig as P
 from tenplex.ptree.layout import Layout, Split, Stage
 from tenplex.ptree.tree import PTree, TensorLeaf
-from rendezvous import init_group
+
+from tests.helpers.rendezvous import init_group
+
 
 SHAPE = (8192, 4096)
 TREE = PTree({"w": TensorLeaf(SHAPE, "float32", Layout(Stage.of_layer(0), Split(1)))}, num_layers=1)

@@ -47,10 +47,11 @@ def global_state(config, tree=None):
     return random_state(tree or TREE, config, SEED)
 
 
-def expected_values(values: dict, src, dst) -> dict:
-    """Values carried by coordinate: a new coordinate has none."""
+def expected_values(values: dict, src, dst, tree=None) -> dict:
+    """Values carried by coordinate: scoped values survive at coordinates that still exist;
+    a new coordinate has none."""
     out = {}
-    for path, leaf in TREE.values():
+    for path, leaf in (tree or TREE).values():
         if leaf.scope is Scope.GLOBAL:
             out[path] = values[path]
         else:
