@@ -43,18 +43,30 @@ class _CountingFile(io.FileIO):
 
 
 def _counting_open(real):
-    def wrapped(file, mode="r", buffering=-1, *args, **kwargs):
-        if "r" in mode and "b" in mode and "+" not in mode and not isinstance(file, int):
-            raw = _CountingFile(file, "rb")
+    # Counts reads through open() and os.fdopen() (tenplex opens checkpoint files with
+    # os.open(O_NOFOLLOW) and wraps the descriptor).
+    def wrapped(file, mode="r", buffering=-1, *args, closefd=True, **kwargs):
+        if "r" in mode and "b" in mode and "+" not in mode:
+            raw = _CountingFile(file, "rb", closefd=closefd)
             return raw if buffering == 0 else io.BufferedReader(raw)
         return real(file, mode, buffering, *args, **kwargs)
     return wrapped
+
+
+def _header_allowance(root: str, fmt: str) -> int:
+    """Bytes a metadata-only read may add per stored item: DCP items are checked to hold a tensor
+    of their chunk's shape and dtype: a zip directory and a pickle each, read through 8 KiB buffers."""
+    if fmt != "dist":
+        return 0
+    from tenplex_megatron.dcp_safe import read_metadata
+    return 16384 * len(read_metadata(root).storage_data)
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
 def test_inspect_and_plan_read_under_one_percent_of_the_bytes(big, monkeypatch, capsys, fmt):
     root = str(big / fmt)
     total = fsspec.filesystem("file").du(root, total=True)
+    allowance = _header_allowance(root, fmt)
     assert main(["inspect", root]) == 0  # imports and entry points loaded before counting
     monkeypatch.setattr(builtins, "open", _counting_open(builtins.open))
     monkeypatch.setattr(io, "open", builtins.open)
@@ -62,7 +74,7 @@ def test_inspect_and_plan_read_under_one_percent_of_the_bytes(big, monkeypatch, 
         _CountingFile.counted = 0
         assert main(argv) == 0
         read = _CountingFile.counted
-        assert 0 < read < 0.01 * total, (argv[0], read, total)
+        assert 0 < read < 0.01 * total + allowance, (argv[0], read, total, allowance)
     monkeypatch.undo()
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
     assert info["config"]["tp"] == 2 and info["config"]["pp"] == 2
