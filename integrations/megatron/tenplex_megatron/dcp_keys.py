@@ -18,10 +18,12 @@ import json
 import os
 import re
 
+from tenplex.errors import TenplexError
 from tenplex.ptree.sharding import Sharding
 
 from tenplex_megatron.config import MegatronConfig
 from tenplex_megatron.layouts import OPTIMIZER_STATES, param_specs
+from tenplex_megatron.safe_load import open_regular
 
 __all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS"]
@@ -37,9 +39,10 @@ DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
 def is_dist(root: str) -> bool:
     """Whether ``root`` is a ``torch_dist`` directory (its ``metadata.json`` says so)."""
     try:
-        with open(os.path.join(root, "metadata.json")) as f:
+        f, _ = open_regular(os.path.join(root, "metadata.json"), "metadata.json")
+        with f:
             return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TenplexError):
         return False
 
 

@@ -40,6 +40,7 @@ from tenplex_megatron.flatbuf import distrib_optim_refs
 from tenplex_megatron.jsonable import to_jsonable
 from tenplex_megatron.layouts import megatron_tree, optimizer_path, param_order, rank_keys  # rank_keys: re-exported
 from tenplex_megatron.ptfile import TensorRef, load_refs
+from tenplex_megatron.safe_load import open_regular
 from tenplex_megatron.source import MegatronSource
 from tenplex_megatron.tied import check_tied
 
@@ -66,11 +67,12 @@ def iteration_dir_name(iteration) -> str:
 
 
 def _iteration_dir(root: str) -> tuple[str, int | str]:
-    try:
-        with open(os.path.join(root, TRACKER)) as f:
-            text = f.read(64).strip()
-    except FileNotFoundError:
-        raise ManifestError(f"{root}: no {TRACKER}; not a Megatron-LM checkpoint") from None
+    path = os.path.join(root, TRACKER)
+    if not os.path.lexists(path):
+        raise ManifestError(f"{root}: no {TRACKER}; not a Megatron-LM checkpoint")
+    f, _ = open_regular(path, path)
+    with f:
+        text = f.read(64).decode("utf-8", "replace").strip()
     if text == "release":
         return os.path.join(root, "release"), "release"
     if not text.isdigit() or len(text) > 12:

@@ -29,7 +29,7 @@ import torch
 
 from tenplex.errors import ManifestError
 
-from tenplex_megatron.safe_load import load_meta
+from tenplex_megatron.safe_load import load_meta, open_regular
 
 __all__ = ["TensorRef", "Window", "load_refs", "read_runs", "GAP"]
 
@@ -120,7 +120,8 @@ def read_runs(file: str, offset: int, starts: np.ndarray, ends: np.ndarray, out:
                             f"of {len(out)} bytes")
     view, total = memoryview(out), 0
     try:
-        with open(file, "rb", buffering=0) as f:
+        f, _ = open_regular(file, file, buffering=0)
+        with f:
             for a, b in runs:
                 f.seek(offset + a)
                 got = f.readinto(view[a:b])
@@ -138,8 +139,7 @@ class Window(io.RawIOBase):
 
     def __init__(self, path: str, start: int = 0, length: int | None = None):
         super().__init__()
-        self._f = open(path, "rb", buffering=0)
-        size = os.fstat(self._f.fileno()).st_size
+        self._f, size = open_regular(path, path, buffering=0)  # no FIFO or device can block us
         self.start, self.length = start, size - start if length is None else length
         if start < 0 or self.length < 0 or start + self.length > size:
             self._f.close()

@@ -323,8 +323,9 @@ class FileView(io.RawIOBase):
         return got
 
 
-def open_regular(path: str, what: str):
-    """Open the regular file at ``path`` for reading: ``(binary file, size in bytes)``.
+def open_regular(path: str, what: str, buffering: int = -1):
+    """Open the regular file at ``path`` for reading: ``(binary file, size in bytes)``
+    (``buffering`` as for :func:`open`; 0 gives a raw, unbuffered file).
 
     The file is opened non-blocking and checked with ``fstat`` on the open
     descriptor, so a FIFO swapped in after a check cannot block the read.
@@ -343,7 +344,7 @@ def open_regular(path: str, what: str):
         os.close(fd)
         raise CorruptShardError(f"{what}: not a regular file (mode {stat.filemode(st.st_mode)})")
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb"), st.st_size
+    return os.fdopen(fd, "rb", buffering=buffering), st.st_size
 
 
 def _stream_size(f) -> int:
