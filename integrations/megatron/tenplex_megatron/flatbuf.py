@@ -25,12 +25,14 @@ one bucket per buffer (plus the shared embedding's own bucket).
 
 from __future__ import annotations
 
-from math import lcm, prod
+from functools import lru_cache
+from math import prod
 from typing import Any, Callable
 
 import torch
 
 from tenplex.errors import ManifestError
+from tenplex.ptree.buffer import layout_buffer
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 
@@ -42,39 +44,52 @@ __all__ = ["ALIGN", "buffer_layout", "buffer_dtypes", "dtype_key", "distrib_opti
            "distrib_optim_state", "FLAT_DTYPE"]
 
 ALIGN = 64
+PAD_MULTIPLE = 128
 FLAT_DTYPE = torch.float32
 """The dtype of the optimizer state in the buffers (fp32 main params and moments)."""
 
 
-def buffer_layout(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, dp: int,
-                  bucket_size: int | None = None):
-    """Buckets of the (tp, ``pp_rank``) buffer: ``[(entries, unpadded, padded)]``.
+@lru_cache(maxsize=64)
+def _sharding(cfg: MegatronConfig, config: ParallelConfig) -> Sharding:
+    return Sharding(megatron_tree(cfg), config)
 
-    ``entries`` is ``[(spec, start, numel)]``, starts relative to the bucket,
-    in elements.
+
+def buffer_layout(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, group: int = 1,
+                  bucket_size: int | None = None, chunk: int = 0, expert: bool = False,
+                  ep_rank: int = 0):
+    """Buckets of one DDP buffer of rank (tp, ``pp_rank``): ``[(entries, unpadded, padded)]``.
+
+    The rule is core's :func:`tenplex.ptree.buffer.layout_buffer` (megatron-core's
+    ``_ParamAndGradBuffer``: reverse ``named_parameters()`` order, 64-element
+    alignment, buckets padded to ``lcm(group, 128)``, the shared embedding in a
+    bucket of its own).
+
+    Args:
+        group: the ranks the buffer is sharded over (dp x cp, or edp for experts).
+        chunk: the virtual pipeline chunk (one DDP, hence one buffer set, per chunk).
+        expert: the expert buffer (parameters with ``allreduce=False``: experts when
+            ep > 1) instead of the dense one; at ep = 1 experts are in the dense buffer.
+        ep_rank: the ep rank whose experts (and, for the dense buffer, nothing else) count.
+
+    Returns:
+        ``entries`` is ``[(spec, start, numel)]``, starts relative to the bucket, in elements;
+        ``unpadded`` includes the alignment gaps (megatron's ``numel_unpadded``).
     """
-    sharding = Sharding(megatron_tree(cfg), config)
-    params = list(reversed(param_order(cfg, config, pp_rank)))
+    sharding = _sharding(cfg, config)
     shared = cfg.tied and config.pp > 1
-    pad = lcm(dp, 128)
-    buckets, entries = [], []
-    start = 0
-    for spec in params:
-        numel = prod(sharding.tp_local(spec.leaf, 0)[0])
+    specs = {}
+    entries = []
+    for spec in reversed(param_order(cfg, config, pp_rank, chunk, ep_rank)):
+        if (spec.expert is not None and config.ep > 1) != expert:
+            continue
+        specs[spec.path] = spec
         own = shared and spec.path.endswith("word_embeddings/weight")
-        start = -(-start // ALIGN) * ALIGN
-        if own and entries:
-            last, first, n = entries[-1]
-            buckets.append((entries, first + n, 0))
-            entries, start = [], 0
-        entries.append((spec, start, numel))
-        start += numel
-        if (bucket_size is not None and start >= bucket_size) or own:
-            buckets.append((entries, start, 0))
-            entries, start = [], 0
-    if entries:
-        buckets.append((entries, start, 0))
-    return [(e, n, -(-n // pad) * pad) for e, n, _ in buckets]
+        entries.append((spec.path, prod(sharding.tp_local(spec.leaf, 0)[0]), own))
+    layout = layout_buffer(entries, group, ALIGN, PAD_MULTIPLE, bucket_size)
+    out = [([], b.numel, b.padded) for b in layout.buckets]
+    for path, (start, numel, b) in layout.members.items():
+        out[b][0].append((specs[path], start - layout.buckets[b].start, numel))
+    return out
 
 
 def buffer_dtypes(cfg: MegatronConfig, args: dict | None) -> tuple[str, str]:
