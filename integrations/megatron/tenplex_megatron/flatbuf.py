@@ -109,24 +109,50 @@ def dtype_key(dtypes) -> tuple[torch.dtype, torch.dtype]:
 
 
 def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sharding, t: int, p: int,
-                       obj: Any, where: str) -> tuple[dict, tuple[str, str]]:
-    """Each optimizer leaf's bytes in a ``distrib_optim.pt`` (loaded with refs) of rank (``t``, ``p``).
+                       e: int, obj: Any, where: str) -> tuple[dict, tuple[str, str]]:
+    """Each optimizer leaf's bytes in a ``distrib_optim.pt`` (loaded with refs) of rank (``t``, ``p``, ``e``).
+
+    With experts at ep > 1 the file holds ``[dense | None, expert | None]``
+    (megatron-core ``ChainedOptimizer.save_parameter_state``): the dense state
+    only in ep rank 0's directories, the expert state (this ep rank's experts)
+    in every one. Each state is ``{"buckets_coalesced": True, chunk: {(param_dtype,
+    grad_dtype): {"param", "exp_avg", "exp_avg_sq": flat float32, "numel_unpadded"}}}``
+    with one entry per virtual pipeline chunk.
 
     Returns:
         ``({(optimizer leaf path, t, p): TensorRef}, (param_dtype, grad_dtype))``.
 
     Raises:
-        ManifestError: an unexpected structure (several model chunks or
+        ManifestError: an unexpected structure (a missing part or chunk, several
             buffers, uncoalesced buckets), a missing state, a dtype other than
             float32, or a buffer whose size is not the layout's.
     """
+    parts = [(obj, False)]
+    if config.ep > 1 and cfg.num_moe_experts:
+        if not isinstance(obj, list) or len(obj) != 2:
+            raise ManifestError(f"{where}: expected [dense | None, expert | None] (ep={config.ep}); "
+                                f"found {type(obj).__name__}")
+        if obj[1] is None or (e == 0 and obj[0] is None):
+            raise ManifestError(f"{where}: the {'expert' if obj[1] is None else 'dense'} optimizer state "
+                                "is missing")
+        parts = [(obj[1], True)] + ([(obj[0], False)] if e == 0 else [])
+    out, dtypes = {}, None
+    for state_obj, expert in parts:
+        for v in range(config.vpp):
+            found, dtypes = _chunk_refs(cfg, config, sharding, t, p, e, v, expert, state_obj, where)
+            out.update(found)
+    return out, dtypes  # type: ignore[return-value]
+
+
+def _chunk_refs(cfg, config, sharding, t, p, e, v, expert, obj, where):
+    where = f"{where} ({'expert' if expert else 'dense'} buffer, chunk {v})"
     if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
         raise ManifestError(f"{where}: expected {{'buckets_coalesced': True, 0: {{...}}}} "
                             "(megatron-core's save_parameter_state); found another structure")
-    chunks = sorted(k for k in obj if k != "buckets_coalesced")
-    if chunks != [0]:
-        raise ManifestError(f"{where}: model chunks {chunks}; virtual pipelines are not supported")
-    buffers = obj[0]
+    chunks = sorted((k for k in obj if k != "buckets_coalesced"), key=str)
+    if chunks != list(range(config.vpp)):
+        raise ManifestError(f"{where}: model chunks {chunks}; the args give vpp={config.vpp}")
+    buffers = obj[v]
     if not isinstance(buffers, dict) or len(buffers) != 1:
         raise ManifestError(f"{where}: {len(buffers) if isinstance(buffers, dict) else 0} buffers; "
                             "tenplex reads one (param_dtype, grad_dtype) buffer per rank")
@@ -134,7 +160,7 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
     dtypes = tuple(str(d) for d in key) if isinstance(key, tuple) else ()
     if len(dtypes) != 2 or not all(d.startswith("torch.") for d in dtypes):
         raise ManifestError(f"{where}: buffer key {key!r} is not (param_dtype, grad_dtype)")
-    layout = buffer_layout(cfg, config, p, 1)
+    layout = buffer_layout(cfg, config, p, 1, chunk=v, expert=expert, ep_rank=e)
     total = sum(n for _, n, _ in layout)
     out = {}
     for state in OPTIMIZER_STATES:
@@ -152,7 +178,7 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
                 shape = sharding.tp_local(spec.leaf, t)[0]
                 out[(optimizer_path(state, spec.path), t, p)] = flat.narrow(offset + start, numel, shape)
             offset += unpadded
-    return out, dtypes  # type: ignore[return-value]
+    return out, dtypes
 
 
 def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
