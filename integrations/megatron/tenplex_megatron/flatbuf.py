@@ -182,11 +182,13 @@ def _chunk_refs(cfg, config, sharding, t, p, e, v, expert, obj, where):
 
 
 def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
-                 fill: Callable[[list[tuple[str, torch.Tensor]]], None]
+                 fill: Callable[[list[tuple[str, torch.Tensor]]], None], chunk: int = 0,
+                 expert: bool = False, ep_rank: int = 0
                  ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
     """Rank (t, ``p``)'s buffer, unpadded buckets coalesced, built from its optimizer leaves.
 
     Args:
+        chunk, expert, ep_rank: which buffer (see :func:`buffer_layout`).
         fill: ``fill([(optimizer leaf path, out), ...])`` copies each leaf's
             tp-local tensor (float32) into its flat view ``out`` (disjoint views,
             so they may be filled in parallel).
@@ -195,7 +197,8 @@ def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
         ``({state: flat float32 tensor}, [(bucket offset, bucket numel)])``: one
         tensor per state holds every bucket, gaps zero (so a bucket is a view).
     """
-    layout = buffer_layout(cfg, config, p, config.dp)
+    group = config.edp if expert else config.dp * config.cp
+    layout = buffer_layout(cfg, config, p, group, chunk=chunk, expert=expert, ep_rank=ep_rank)
     total = sum(n for _, n, _ in layout)
     flats = {s: torch.empty(total, dtype=FLAT_DTYPE) for s in OPTIMIZER_STATES}
     buckets, jobs, covered, offset = [], [], [], 0
@@ -215,8 +218,11 @@ def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
     return flats, buckets
 
 
-def distrib_optim_state(flats: dict[str, torch.Tensor], dtypes) -> dict:
-    """``distrib_optim.pt`` content for one rank: its buckets coalesced, unpadded
+def distrib_optim_state(chunks: list[dict[str, torch.Tensor]], dtypes) -> dict:
+    """One optimizer's ``distrib_optim.pt`` state: per model chunk, its buckets coalesced, unpadded
     (megatron-core's ``save_parameter_state`` with ``buckets_coalesced``)."""
-    total = flats[OPTIMIZER_STATES[0]].numel()
-    return {"buckets_coalesced": True, 0: {dtype_key(dtypes): {**flats, "numel_unpadded": total}}}
+    out: dict = {"buckets_coalesced": True}
+    for v, flats in enumerate(chunks):
+        total = flats[OPTIMIZER_STATES[0]].numel()
+        out[v] = {dtype_key(dtypes): {**flats, "numel_unpadded": total}}
+    return out
