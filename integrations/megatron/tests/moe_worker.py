@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--legacy-writer", choices=["expert_dp0", "dp0"], default="expert_dp0")
     add("--logits-out", default=None)
     add("--fresh-logits-out", default=None)
+    add("--loaded-logits-out", default=None, help="logits right after the load, before training")
+    add("--more-steps", type=int, default=0, help="after saving and --logits-out, train this many more "
+        "steps (a static run's continuation)")
     add("--dump-dir", default=None)
     add("--check-replicas", action="store_true", help="after training: params equal across dp_cp / expert-dp?")
     add("--optimizer", action="store_true")
@@ -314,6 +317,8 @@ def main(argv=None) -> int:
         w.load_legacy(a.load_dir)
     elif a.load == "dist":
         w.load_dist(a.load_dir)
+    if a.loaded_logits_out:
+        w.write_logits(a.loaded_logits_out)
     if a.train_steps > 0:
         w.train()
     if a.check_replicas:
@@ -326,6 +331,9 @@ def main(argv=None) -> int:
         w.save_dist(a.save_dir if a.save == "dist" else os.path.join(a.save_dir, "dist"))
     if a.logits_out:
         w.write_logits(a.logits_out)
+    if a.more_steps:
+        a.train_steps = a.more_steps
+        w.train()
     log0(f"TIME total {time.time() - _T0:.2f}")
     w.dist.barrier()
     w.dist.destroy_process_group()
