@@ -38,6 +38,9 @@ def run_moe(n: int, flags: str, *extra: str, timeout: int = 300) -> str:
 CASES = [
     ("ep2_to_ep1", 2, "--ep 2", 1, "--ep 1", "dp=1"),
     ("tp2ep1_to_tp1ep2", 2, "--tp 2 --ep 1", 2, "--tp 1 --ep 2", "dp=2,ep=2"),
+    ("pp2vpp2_to_pp1", 2, "--pp 2 --vpp 2", 1, "", "dp=1"),
+    ("pp1_to_pp2vpp2", 1, "", 2, "--pp 2 --vpp 2", "dp=1,pp=2,vpp=2"),
+    ("cp2_to_dp2", 2, "--cp 2", 2, "", "dp=2"),
 ]
 
 
