@@ -23,6 +23,7 @@ One table, :func:`param_specs`, lists the model's parameters in Megatron's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.layout import Expert, Layout, Padding, Split, Stage, StageKind
@@ -93,7 +94,17 @@ def optimizer_path(state: str, path: str) -> str:
 
 
 def param_specs(cfg: MegatronConfig) -> list[ParamSpec]:
-    """Every parameter, in Megatron's ``named_parameters()`` order."""
+    """Every parameter (and model buffer), in Megatron's ``named_parameters()`` order."""
+    return list(_param_specs(cfg))
+
+
+@lru_cache(maxsize=32)
+def _spec_index(cfg: MegatronConfig) -> dict[str, ParamSpec]:
+    return {s.path: s for s in _param_specs(cfg)}
+
+
+@lru_cache(maxsize=32)
+def _param_specs(cfg: MegatronConfig) -> tuple[ParamSpec, ...]:
     dt, h = cfg.params_dtype, cfg.hidden_size
     vocab = Layout(Stage(StageKind.FIRST_AND_LAST) if cfg.tied else Stage(StageKind.FIRST),
                    Split(0, unit="padded_vocab_size"), Padding(0, cfg.make_vocab_size_divisible_by))
@@ -114,7 +125,7 @@ def param_specs(cfg: MegatronConfig) -> list[ParamSpec]:
                          (cfg.vocab_size, h), dt,
                          Layout(Stage(StageKind.LAST), Split(0, unit="padded_vocab_size"),
                                 Padding(0, cfg.make_vocab_size_divisible_by)), False))
-    return out
+    return tuple(out)
 
 
 def _spec(mcore, legacy, layer, shape, dtype, layout, no_wd, dist=None) -> ParamSpec:
@@ -253,10 +264,10 @@ def megatron_tree(cfg: MegatronConfig, optimizer: bool = False) -> PTree:
 
 def spec_of(cfg: MegatronConfig, path: str) -> ParamSpec:
     """The parameter spec of tree path ``path`` (a model path)."""
-    for spec in param_specs(cfg):
-        if spec.path == path:
-            return spec
-    raise KeyError(path)
+    spec = _spec_index(cfg).get(path)
+    if spec is None:
+        raise KeyError(path)
+    return spec
 
 
 def _places(spec: ParamSpec, cfg: MegatronConfig, config: ParallelConfig) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.config import stage_layers
 
-__all__ = ["rank_dir_name", "rank_dirs", "legacy_grid"]
+__all__ = ["rank_dir_name", "rank_dirs", "legacy_grid", "parallel_config"]
 
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
@@ -96,11 +96,27 @@ def legacy_grid(args, dirs: dict, iter_dir: str) -> tuple[ParallelConfig, dict[t
     if extra:
         raise ConfigError(f"{iter_dir}: rank directories {[rank_dir_name(*k[:2], pp, k[2], ep) for k in extra]} "
                           f"lie outside the args' grid tp={tp} x pp={pp} x ep={ep}")
+    return parallel_config(args, tp, pp), mapped
+
+
+def parallel_config(args, tp: int, pp: int) -> ParallelConfig:
+    """The saver's parallel config: ``tp``, ``pp`` and the args' cp, ep, etp, vpp and uneven stages.
+
+    dp is the args' ``data_parallel_size``, raised to what the expert grid
+    needs (``etp * ep * pp`` must divide the world); Megatron files hold
+    tensors gathered over dp, so dp sizes nothing on disk.
+
+    Raises:
+        ConfigError: the degrees do not form a config.
+    """
+    a = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
     cp = _arg(a, "context_parallel_size", 1)
+    ep = _arg(a, "expert_model_parallel_size", 1)
+    etp = _arg(a, "expert_tensor_parallel_size", tp)
     vpp = _arg(a, "virtual_pipeline_model_parallel_size", 1)
     dp = _arg(a, "data_parallel_size", 1)
     while (dp * tp * cp * pp) % (etp * ep * pp):
         dp += 1
     layers = a.get("num_layers")
     stages = stage_layers(args, int(layers), pp) if layers else None
-    return ParallelConfig(dp, tp, pp, stage_layers=stages, cp=cp, ep=ep, etp=etp, vpp=vpp), mapped
+    return ParallelConfig(dp, tp, pp, stage_layers=stages, cp=cp, ep=ep, etp=etp, vpp=vpp)

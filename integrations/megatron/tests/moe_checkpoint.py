@@ -144,6 +144,8 @@ class CheckpointMixin:
             sd["optimizer"] = self.optimizer.sharded_state_dict(sd, metadata=md)
             sd["opt_param_scheduler"] = self.scheduler.state_dict()
         sd["iteration"] = self.a.iteration
+        sd["args"] = self.megatron_args()  # Megatron-LM's generate_state_dict puts these in common.pt
+        sd["checkpoint_version"] = 3.0
         dist_checkpointing.save(sd, root, content_metadata={k: v for k, v in md.items() if k != "dp_cp_group"})
         self.dist.barrier()
         log0(f"TIME save_dist {time.time() - t:.2f}")

@@ -62,7 +62,7 @@ def moe_sources(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("fmt", ["legacy"])
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
 @pytest.mark.parametrize("name,n_src,src,n_dst,dst,to", CASES, ids=[c[0] for c in CASES])
 def test_moe_reshard_loads_and_trains_on(moe_sources, tmp_path, fmt, name, n_src, src, n_dst, dst, to):
     source, static = moe_sources(n_src, src)
