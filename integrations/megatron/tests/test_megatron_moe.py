@@ -62,14 +62,21 @@ def moe_sources(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("fmt", ["legacy", "dist"])
-@pytest.mark.parametrize("name,n_src,src,n_dst,dst,to", CASES, ids=[c[0] for c in CASES])
-def test_moe_reshard_loads_and_trains_on(moe_sources, tmp_path, fmt, name, n_src, src, n_dst, dst, to):
+FORMATS = {"legacy": "megatron-legacy", "dist": "megatron-dist"}
+# every case within each format (torch_dist -> torch_dist is the direct item copy), and the ep
+# changes across formats (through the planner and both writers)
+PARAMS = [(c, f, f) for c in CASES for f in FORMATS] + \
+    [(c, a, b) for c in CASES[:2] for a, b in (("legacy", "dist"), ("dist", "legacy"))]
+
+
+@pytest.mark.parametrize("case,fmt,out_fmt", PARAMS, ids=[f"{c[0]}-{a}-{b}" for c, a, b in PARAMS])
+def test_moe_reshard_loads_and_trains_on(moe_sources, tmp_path, case, fmt, out_fmt):
+    name, n_src, src, n_dst, dst, to = case
     source, static = moe_sources(n_src, src)
     out = tmp_path / "out"
-    done = tenplex("reshard", str(source / fmt), str(out), "--to", to)
+    done = tenplex("reshard", str(source / fmt), str(out), "--to", to, "--format", FORMATS[out_fmt])
     assert done.returncode == 0, done.stderr
-    got = run_moe(n_dst, dst, "--load", fmt, "--load-dir", str(out), "--train-steps", "2",
+    got = run_moe(n_dst, dst, "--load", out_fmt, "--load-dir", str(out), "--train-steps", "2",
                   "--loaded-logits-out", str(tmp_path / "got.pt"), "--fresh-logits-out", str(tmp_path / "fresh.pt"))
     ref, loaded, fresh = logits(source / "ref.pt"), logits(tmp_path / "got.pt"), logits(tmp_path / "fresh.pt")
     assert (ref - loaded).abs().max().item() <= 1e-6
