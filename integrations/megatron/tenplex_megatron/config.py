@@ -251,13 +251,12 @@ def args_to_json(args: Any) -> dict:
 
 def json_to_args(obj: Mapping) -> argparse.Namespace:
     """Inverse of :func:`args_to_json` as far as possible (torch dtypes restored)."""
-    import torch
+    from tenplex_megatron.safe_load import TORCH_DTYPES  # noqa: PLC0415  (torch only when needed)
 
     values = {}
     for k, v in obj.items():
-        if isinstance(v, str) and v.startswith("torch.") and hasattr(torch, v[6:]) \
-                and isinstance(getattr(torch, v[6:]), torch.dtype):
-            values[k] = getattr(torch, v[6:])
+        if isinstance(v, str) and v.startswith("torch.") and v[6:] in TORCH_DTYPES:
+            values[k] = TORCH_DTYPES[v[6:]]
         elif isinstance(v, dict) and "__repr__" in v:
             continue
         else:

@@ -39,6 +39,7 @@ from tenplex.ptree.sharding import Sharding
 from tenplex_megatron.config import MegatronConfig
 from tenplex_megatron.layouts import OPTIMIZER_STATES, megatron_tree, optimizer_path, param_order
 from tenplex_megatron.ptfile import TensorRef
+from tenplex_megatron.safe_load import TORCH_DTYPES
 
 __all__ = ["ALIGN", "buffer_layout", "buffer_dtypes", "dtype_key", "distrib_optim_refs", "flat_buffers",
            "distrib_optim_state", "FLAT_DTYPE"]
@@ -102,7 +103,7 @@ def buffer_dtypes(cfg: MegatronConfig, args: dict | None) -> tuple[str, str]:
 
 def dtype_key(dtypes) -> tuple[torch.dtype, torch.dtype]:
     """``("torch.bfloat16", "torch.float32")`` as torch dtypes."""
-    out = tuple(getattr(torch, str(d).removeprefix("torch."), None) for d in dtypes)
+    out = tuple(TORCH_DTYPES.get(str(d).removeprefix("torch.")) for d in dtypes)
     if len(out) != 2 or not all(isinstance(d, torch.dtype) for d in out):
         raise ManifestError(f"buffer dtypes {list(dtypes)}: expected two torch dtype names")
     return out  # type: ignore[return-value]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import CorruptShardError, UnsafePickleError
+from tenplex.ptree.tree import DTYPES
 
 from tenplex_megatron.restricted_unpickler import (MAX_PICKLE_BYTES, Profile, Refused, Rule,
                                                    unpickle)
@@ -45,11 +46,11 @@ __all__ = ["safe_load", "load_tensor", "tensor_header", "FileView", "ALLOWED_GLO
 MAX_NDIM = 32
 """The most dimensions a tensor or array may claim."""
 
-TORCH_DTYPES = {name: getattr(torch, name) for name in (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
-    if isinstance(getattr(torch, name, None), torch.dtype)}
-"""``torch.<name>`` dtypes a file may name, as values (they cannot be called)."""
+TORCH_DTYPES = {**DTYPES, **{name: getattr(torch, name) for name in (
+    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+    if isinstance(getattr(torch, name, None), torch.dtype)}}
+"""``torch.<name>`` dtypes a file may name, as values (they cannot be called): the one dtype table of
+tenplex_megatron, core's :data:`tenplex.ptree.tree.DTYPES` plus what files may also hold."""
 
 _NP_CODES = ("u4",)  # np.random.get_state()'s MT19937 key: the only NumPy array in a Megatron file
 _STORAGE_TYPES = {  # torch.save names a storage's dtype by its legacy storage class
