@@ -356,6 +356,9 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
                 raise ManifestError(f"{where}: no {key} state dict")
             model.update(_model_refs(cfg, config, sharding, t, p, e, v, _flatten(dict(state[key])),
                                      f"{where} [{key}]", schemes))
+        if len(schemes) > 1:
+            raise ManifestError(f"{where}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
+                                "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
         refs.update(model)
         if kind == "adam":
             if config.vpp > 1:

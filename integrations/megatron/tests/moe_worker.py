@@ -1,10 +1,12 @@
 """Build, train, save, load and run a real megatron-core 0.16.1 GPTModel on CPU,
 with experts (EP, expert TP), virtual pipeline (VPP) and context parallel (CP).
+Facts behind it: integrations/megatron/NOTES.md section 8 (the full record with run logs was
+/work/scratch/r13/FACTS.md, by r13, who wrote this worker).
 
 An extension of integrations/megatron/tests/mcore_worker.py (same flags and
 output lines) for issue 13. Launch with torchrun; world = tp*cp*dp*pp::
 
-    W=/work/scratch/r13/moe_worker.py
+    W=integrations/megatron/tests/moe_worker.py
     MOE="--layers 4 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope \
          --untie --vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --experts 4 --topk 2"
     torchrun --nproc_per_node=2 $W --ep 2 $MOE --save both --save-dir /tmp/x --logits-out /tmp/x/ref.pt

@@ -97,3 +97,57 @@ def test_impossible_expert_targets_are_refused_in_one_line(moe_sources, tmp_path
     done = tenplex("reshard", str(source / "legacy"), str(tmp_path / "etp"), "--to", "dp=2,tp=2,ep=2,etp=1")
     assert done.returncode == 1 and "etp=1 differs from tp=2" in done.stderr, done.stderr
     assert not (tmp_path / "etp").exists()
+
+
+def _to_grouped(root, mixed: bool = False) -> None:
+    """Rename a legacy checkpoint's SequentialMLP keys to TE grouped-GEMM names in place
+    (``local_experts.{j}.linear_fc1.weight`` -> ``linear_fc1.weight{j}``; one extra state per
+    grouped linear). ``mixed`` leaves expert 0 of layer 0 under its sequential name."""
+    import re
+
+    for path in root.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        model = {}
+        for key, value in state["model"].items():
+            m = re.fullmatch(r"(decoder\.layers\.\d+\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc\d)\.(weight|_extra_state)", key)
+            if m is None or (mixed and key.startswith("decoder.layers.0.mlp.experts.local_experts.0.")):
+                model[key] = value
+            elif m.group(4) == "weight":
+                model[f"{m.group(1)}.{m.group(3)}.weight{m.group(2)}"] = value
+            else:
+                model[f"{m.group(1)}.{m.group(3)}._extra_state"] = None
+        state["model"] = model
+        torch.save(state, path)
+
+
+def test_grouped_gemm_names_are_read_kept_and_converted(moe_sources, tmp_path):
+    """Expert ids under grouped-GEMM names map local -> global like sequential ones; the output keeps
+    the source's scheme unless asked; a file mixing both schemes is refused."""
+    import shutil
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex_megatron.legacy import open_legacy
+    from tenplex_megatron.legacy_write import write_legacy
+
+    source, _ = moe_sources(2, "--ep 2")
+    grouped = tmp_path / "grouped"
+    shutil.copytree(source / "legacy", grouped)
+    _to_grouped(grouped)
+    done = tenplex("reshard", str(grouped), str(tmp_path / "kept"), "--to", "dp=1")
+    assert done.returncode == 0, done.stderr
+    keys = torch.load(tmp_path / "kept/iter_0000010/mp_rank_00/model_optim_rng.pt", weights_only=False)["model"]
+    assert "decoder.layers.3.mlp.experts.linear_fc2.weight3" in keys
+    assert not any("local_experts" in k for k in keys)
+    # global expert 3 is ep rank 1's local expert 1
+    src = torch.load(grouped / "iter_0000010/mp_rank_00_001/model_optim_rng.pt", weights_only=False)["model"]
+    assert torch.equal(keys["decoder.layers.3.mlp.experts.linear_fc2.weight3"],
+                       src["decoder.layers.3.mlp.experts.linear_fc2.weight1"])
+    write_legacy(open_legacy(str(grouped)), str(tmp_path / "sequential"), ParallelConfig(), expert_names="sequential")
+    run_moe(1, "--ep 1", "--load", "legacy", "--load-dir", str(tmp_path / "sequential"),
+            "--loaded-logits-out", str(tmp_path / "got.pt"))
+    assert (logits(source / "ref.pt") - logits(tmp_path / "got.pt")).abs().max().item() <= 1e-6
+    mixed = tmp_path / "mixed"
+    shutil.copytree(source / "legacy", mixed)
+    _to_grouped(mixed, mixed=True)
+    done = tenplex("reshard", str(mixed), str(tmp_path / "no"), "--to", "dp=1")
+    assert done.returncode == 1 and "mix the sequential" in done.stderr, done.stderr
+    assert not (tmp_path / "no").exists()
