@@ -114,6 +114,10 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         "dp_reshardable" if meta.get("optimizer") == "dp_reshardable" else "fully_reshardable")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
+        if optim == "dp_reshardable" and (to.vpp > 1 or (cfg.num_moe_experts and to.ep > 1)):
+            optim = "fully_reshardable"  # tenplex writes dp_reshardable buffers for one dense chunk only
+            values.notes.append(f"optimizer: written fully_reshardable (model space): tenplex writes "
+                                f"dp_reshardable buffers only without vpp and expert buffers ({to})")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
