@@ -95,17 +95,17 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         cfg = type(cfg).from_json({**cfg.to_json(), "moe_grouped_gemm": True})
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
+        optimizer = legacy_optimizer(meta, values.args) if any(
+            p.startswith("optimizer/") for p in source.tree.leaves) else None
+        if optimizer == "adam" and to.vpp > 1:
+            raise ConfigError(f"{to}: a non-distributed optimizer's legacy state with vpp={to.vpp} is "
+                              "not written by tenplex; reshard to vpp=1 or from a distributed optimizer")
         name = iteration_dir_name(values.iteration)
         final = os.path.join(root, name)
         if os.path.exists(final):
             raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
         os.makedirs(root, exist_ok=True)
         tmp = os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
-        optimizer = legacy_optimizer(meta, values.args) if any(
-            p.startswith("optimizer/") for p in source.tree.leaves) else None
-        if optimizer == "adam" and to.vpp > 1:
-            raise ConfigError(f"{to}: a non-distributed optimizer's legacy state with vpp={to.vpp} is "
-                              "not written by tenplex; reshard to vpp=1 or from a distributed optimizer")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states()
         written, files = 0, 0
