@@ -58,6 +58,18 @@ class TargetValues:
         groups = (self.optimizer or {}).get("param_groups") or [{"wd_mult": 1.0}, {"wd_mult": 0.0}]
         return [{**g, "betas": tuple(g["betas"])} if isinstance(g.get("betas"), list) else g for g in groups]
 
+    def expert_param_groups(self) -> list[dict]:
+        """The expert optimizer's groups (ep > 1): the source's, or, from an ep = 1 source, its
+        weight-decay groups with ``is_expert_parallel=True`` (megatron-core matches groups by
+        ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``, ``optimizer.py``)."""
+        stored = (self.optimizer or {}).get("expert_param_groups")
+        if stored:
+            groups = stored
+        else:
+            groups = [dict(g, is_expert_parallel=True) for g in self.param_groups()
+                      if float(g.get("wd_mult", 1.0)) != 0.0]
+        return [{**g, "betas": tuple(g["betas"])} if isinstance(g.get("betas"), list) else g for g in groups]
+
     def step(self) -> Any:
         return (self.optimizer or {}).get("step")
 

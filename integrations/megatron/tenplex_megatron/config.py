@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import asdict, dataclass, fields
 from math import ceil
 from typing import Any, Mapping
@@ -47,6 +48,16 @@ class MegatronConfig:
             (``self_attention.q_layernorm`` / ``k_layernorm``, ``[kv_channels]``, replicated).
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
         params_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        num_moe_experts: experts per MoE layer (Megatron-LM ``args.num_experts``), or None
+            for a dense model.
+        moe_ffn_hidden_size: an expert's ffn size (default ``ffn_hidden_size``).
+        moe_shared_expert_intermediate_size: the shared expert's ffn size, or None.
+        moe_router_enable_expert_bias: the router keeps an ``expert_bias`` buffer ``[E]`` fp32.
+        moe_layer_freq: MoE layer pattern: an int N puts experts on layers ``i % N == 0``, a
+            list has 1 for an MoE layer and 0 for a dense one
+            (megatron-core ``gpt_layer_specs.py::get_gpt_decoder_layer_specs``).
+        moe_grouped_gemm: experts kept as TE grouped GEMMs: legacy keys
+            ``mlp.experts.linear_fc1.weight{j}`` instead of ``mlp.experts.local_experts.{j}.linear_fc1.weight``.
     """
 
     num_layers: int
@@ -66,8 +77,21 @@ class MegatronConfig:
     qk_layernorm: bool = False
     normalization: str = "LayerNorm"
     params_dtype: str = "float32"
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_layer_freq: int | tuple = 1
+    moe_grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if self.num_moe_experts and self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size or 4 * self.hidden_size)
+        if isinstance(self.moe_layer_freq, tuple) and len(self.moe_layer_freq) != self.num_layers:
+            raise ConfigError(f"MegatronConfig: moe_layer_freq lists {len(self.moe_layer_freq)} layers, "
+                              f"num_layers={self.num_layers}")
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         if self.num_query_groups is None:
@@ -91,6 +115,18 @@ class MegatronConfig:
     def qkv_bias(self) -> bool:
         """Whether ``linear_qkv`` has a bias (megatron-core: ``add_bias_linear or add_qkv_bias``)."""
         return self.add_bias_linear or self.add_qkv_bias
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has experts (``moe_layer_freq``'s pattern)."""
+        if not self.num_moe_experts:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[layer]) if isinstance(freq, tuple) else layer % int(freq) == 0
+
+    @property
+    def homogeneous(self) -> bool:
+        """Every layer has the same parameters (``torch_dist`` then stacks layers on one axis)."""
+        return all(self.is_moe_layer(i) == self.is_moe_layer(0) for i in range(self.num_layers))
 
     @property
     def qkv_rows(self) -> int:
@@ -143,6 +179,11 @@ class MegatronConfig:
             qk_layernorm=bool(a.get("qk_layernorm", False)),
             normalization=a.get("normalization", "LayerNorm"),
             params_dtype=str(a.get("params_dtype", "float32")).removeprefix("torch."),
+            num_moe_experts=a.get("num_experts") or None, moe_ffn_hidden_size=a.get("moe_ffn_hidden_size"),
+            moe_shared_expert_intermediate_size=a.get("moe_shared_expert_intermediate_size"),
+            moe_router_enable_expert_bias=bool(a.get("moe_router_enable_expert_bias", False)),
+            moe_layer_freq=_layer_freq(a.get("moe_layer_freq", 1)),
+            moe_grouped_gemm=bool(a.get("moe_grouped_gemm", False)),
         )
 
     def with_overrides(self, overrides: Mapping | None) -> "MegatronConfig":
@@ -160,10 +201,38 @@ class MegatronConfig:
         return cls(**obj)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """JSON; the MoE fields only where they differ from a dense model's defaults."""
+        out = asdict(self)
+        for name in _MOE_DEFAULTS:
+            if out[name] == _MOE_DEFAULTS[name]:
+                del out[name]
+        if isinstance(out.get("moe_layer_freq"), tuple):
+            out["moe_layer_freq"] = list(out["moe_layer_freq"])
+        return out
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+
+_MOE_DEFAULTS = {"num_moe_experts": None, "moe_ffn_hidden_size": None,
+                 "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+                 "moe_layer_freq": 1, "moe_grouped_gemm": False}
+
+
+def _layer_freq(value: Any) -> int | tuple:
+    """Megatron-LM's ``moe_layer_freq``: an int, a list, or its string form ``"([1]*2+[0]*2)"``."""
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():
+            return int(text)
+        match = re.fullmatch(r"\[([01](?:\s*,\s*[01])*)\]", text)
+        if not match:
+            raise ConfigError(f"Megatron args: moe_layer_freq={value!r} is not an int or a [0/1, ...] list "
+                              "(tenplex evaluates no expressions)")
+        return tuple(int(v) for v in match.group(1).split(","))
+    return int(value or 1)
 
 
 def args_to_json(args: Any) -> dict:
@@ -182,13 +251,12 @@ def args_to_json(args: Any) -> dict:
 
 def json_to_args(obj: Mapping) -> argparse.Namespace:
     """Inverse of :func:`args_to_json` as far as possible (torch dtypes restored)."""
-    import torch
+    from tenplex_megatron.safe_load import TORCH_DTYPES  # noqa: PLC0415  (torch only when needed)
 
     values = {}
     for k, v in obj.items():
-        if isinstance(v, str) and v.startswith("torch.") and hasattr(torch, v[6:]) \
-                and isinstance(getattr(torch, v[6:]), torch.dtype):
-            values[k] = getattr(torch, v[6:])
+        if isinstance(v, str) and v.startswith("torch.") and v[6:] in TORCH_DTYPES:
+            values[k] = TORCH_DTYPES[v[6:]]
         elif isinstance(v, dict) and "__repr__" in v:
             continue
         else:
@@ -250,7 +318,9 @@ def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
 
     Returns:
         A new Namespace whose ``tensor_model_parallel_size``,
-        ``pipeline_model_parallel_size``, ``data_parallel_size``,
+        ``pipeline_model_parallel_size``, ``data_parallel_size``, ``context_parallel_size``,
+        ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
+        ``virtual_pipeline_model_parallel_size`` (None for 1),
         ``world_size``, ``padded_vocab_size`` and uneven-pipeline fields
         describe ``config``; every other field is the source's.
 
@@ -264,6 +334,9 @@ def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
     out.tensor_model_parallel_size, out.pipeline_model_parallel_size = config.tp, config.pp
     out.data_parallel_size = config.dp
     out.world_size = config.world_size
+    out.context_parallel_size = config.cp
+    out.expert_model_parallel_size, out.expert_tensor_parallel_size = config.ep, config.etp
+    out.virtual_pipeline_model_parallel_size = config.vpp if config.vpp > 1 else None
     out.padded_vocab_size = cfg.padded_vocab(config.tp)
     vars(out).update(uneven_args(config.stage_layers))
     return out

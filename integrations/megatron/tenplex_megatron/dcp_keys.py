@@ -18,20 +18,21 @@ import json
 import os
 import re
 
-from tenplex.errors import TenplexError
+from tenplex.errors import ConfigError, TenplexError
 from tenplex.ptree.sharding import Sharding
 
 from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.layouts import OPTIMIZER_STATES, param_specs
+from tenplex_megatron.layouts import OPTIMIZER_STATES, extra_state_keys, param_specs
 from tenplex_megatron.safe_load import open_regular
 
 __all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
-           "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS"]
+           "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_modules"]
 
 FLAT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                       r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
 OBJECT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
-EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)_(\d+)$")
+EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)(?:\.(\d+))?_(\d+)(?:\.(\d+))?$")
+"""``<module>._extra_state/shard_<layer>[.<expert>]_<L>[.<E>]`` (experts stacked on a second axis)."""
 RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
 
@@ -67,20 +68,47 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
 
     Shapes are padded at ``sharding.config``'s tp; layer tensors are stacked
     ``[num_layers, ...]`` and ``layer`` is set for each layer's path (one key
-    holds every layer, so the returned path is layer 0's).
+    holds every layer, so the returned path is layer 0's). Expert tensors are
+    stacked ``[num_layers, num_moe_experts, ...]`` by global expert id under
+    ``decoder.layers.mlp.experts.experts.*`` (megatron-core
+    ``SequentialMLP.sharded_state_dict``; the path returned is expert 0's).
+
+    Raises:
+        ConfigError: for MoE layers that are not all alike (``moe_layer_freq``):
+            megatron-core then writes per-layer keys, which tenplex does not read yet.
     """
+    if not cfg.homogeneous:
+        raise ConfigError(f"moe_layer_freq={cfg.moe_layer_freq}: torch_dist then uses per-layer keys "
+                          "(decoder.layers.<l>.*), which tenplex does not read or write yet; use the "
+                          "legacy format")
     out: dict = {}
     prefixes = [("", None)] + ([(f"optimizer.state.{s}.", s) for s in OPTIMIZER_STATES]
                                if optim == "fully_reshardable" else [])
     for spec in param_specs(cfg):
-        if spec.layer not in (None, 0):
+        if spec.layer not in (None, 0) or spec.expert not in (None, 0):
             continue
         shape = sharding.physical_shape(spec.leaf)
+        if spec.expert is not None:
+            shape = (cfg.num_moe_experts,) + shape
         if spec.layer is not None:
             shape = (cfg.num_layers,) + shape
-        for prefix, state in prefixes:
+        for prefix, state in prefixes if spec.param else prefixes[:1]:
             dtype = spec.leaf.dtype if state is None else "float32"
             out[prefix + spec.dist] = (shape, dtype, spec.path, spec.layer)
+    return out
+
+
+def extra_state_modules(cfg: MegatronConfig) -> dict[str, bool]:
+    """``{module: stacked over experts}`` of the ``_extra_state`` objects a homogeneous model stores."""
+    out = {"output_layer": False}
+    for key in extra_state_keys(cfg, 0, 1):
+        module = key.removesuffix("._extra_state").replace(".{i}", "")
+        if ".local_experts." in module:
+            out[re.sub(r"local_experts\.\d+\.", "experts.", module)] = True
+        elif module.endswith(("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")):
+            out[module.replace("mlp.experts.", "mlp.experts.experts.")] = True
+        else:
+            out[module] = False
     return out
 
 

@@ -27,14 +27,16 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
 
-from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab, stage_layers
+from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.dcp_keys import (DP_OBJECTS, EXTRA_KEY, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
-                                       expected_tensors, flat_key, is_dist, object_key)
+                                       expected_tensors, extra_state_modules, flat_key, is_dist,
+                                       object_key)
 from tenplex_megatron.dcp_safe import SafeReader, read_objects
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
-from tenplex_megatron.layouts import EXTRA_STATE_LINEARS, OPTIMIZER_STATES, megatron_tree
+from tenplex_megatron.layouts import OPTIMIZER_STATES, megatron_tree
+from tenplex_megatron.legacy_grid import parallel_config
 from tenplex_megatron.safe_load import safe_load
 
 __all__ = ["is_dist", "describe_dist", "DcpRecord", "read_common", "rng_coords", "FoundDist"]
@@ -75,6 +77,17 @@ class DcpRecord:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _chained(optimizer: dict, where: str) -> tuple[dict, list | None]:
+    """``common.pt``'s optimizer entry and the expert optimizer's groups: at ep > 1 megatron-core
+    saves ``{0: dense, 1: expert}`` (``ChainedOptimizer.sharded_state_dict``)."""
+    if set(optimizer) != {0, 1}:
+        return optimizer, None
+    dense, expert = optimizer[0], optimizer[1]
+    if not isinstance(dense, dict) or not isinstance(expert, dict):
+        raise ManifestError(f"{where}/common.pt: chained optimizer entries are not dicts")
+    return dense, (expert.get("optimizer") or {}).get("param_groups", [])
 
 
 def _optim_type(common: dict, keys) -> str | None:
@@ -184,9 +197,11 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | No
 def _check_object(key, kind, cfg, config, where) -> None:
     ok = True
     if kind == "extra_state":
-        module, layer, layers = EXTRA_KEY.match(key).groups()
-        ok = module in {f"decoder.layers.{x}" for x in EXTRA_STATE_LINEARS} | {"output_layer"} \
-            and int(layers) == cfg.num_layers and int(layer) < cfg.num_layers
+        module, layer, expert, layers, experts = EXTRA_KEY.match(key).groups()
+        modules = extra_state_modules(cfg)
+        ok = module in modules and int(layers) == cfg.num_layers and int(layer) < cfg.num_layers \
+            and (expert is not None) == modules[module] \
+            and (expert is None or (int(experts) == cfg.num_moe_experts and int(expert) < int(experts)))
     elif kind == "rng":
         p, t, pp, tp = map(int, RNG_KEY.match(key).groups())
         ok = (pp, tp) == (config.pp, config.tp) and p < pp and t < tp
@@ -240,16 +255,19 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
                           "(--model-config FILE.json, see docs/megatron.md)")
     cfg = MegatronConfig.from_args(args, model_config)
     md = SafeReader(root).read_metadata()
-    optim = _optim_type(common, md.state_dict_metadata)
+    optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
+    optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata)
     tp, pp = _grid(cfg, args, md, optim, root)
-    config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
+    config = parallel_config(args, tp, pp)
+    if cfg.num_moe_experts and config.ep > 1 and optim == "dp_reshardable":
+        raise ManifestError(f"{root}: dp_reshardable optimizer state with ep={config.ep} (chained_0/1 "
+                            "buffers) is not supported; save with fully_reshardable")
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
     check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
     dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
-    optimizer = common.get("optimizer") or {}
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"})
     if unknown:
         raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
@@ -266,7 +284,8 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),
         "megatron/optimizer": None if optim is None else
         {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": None,
-         "grad_scaler": to_jsonable(optimizer.get("grad_scaler"), "grad_scaler")},
+         "grad_scaler": to_jsonable(optimizer.get("grad_scaler"), "grad_scaler"),
+         **({"expert_param_groups": to_jsonable(expert_groups, "expert param_groups")} if expert_groups else {})},
         "megatron/num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far"),
         "megatron/rng_state": sorted(rng_coords(md)),
         "megatron/extra": extra or None,

@@ -79,6 +79,8 @@ class DistSource(MegatronSource):
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)
         layer = () if spec.layer is None else (spec.layer,)
+        if spec.expert is not None:  # stacked by global expert id after the layer
+            layer += (spec.expert,)
         return DcpRecord(prefix + spec.dist, layer, held.pieces, held.shape, dtype)
 
     def _flat_record(self, spec, state, coord, dtype) -> DcpRecord:

@@ -111,9 +111,17 @@ def _target_values(source: DistSource, to: ParallelConfig) -> TargetValues:
 
 
 def _common(source: DistSource, values: TargetValues) -> dict:
+    """The source's ``common.pt`` with the target's args and, for an MoE model, its optimizer
+    entry fitted to the target's sub-optimizers: ``{0: dense, 1: expert}`` at ep > 1, the dense
+    one alone at ep = 1 (megatron-core's loader fails on the other form, FACTS 6.7)."""
     common = read_common(source.root)
     if common.get("args") is not None:
         common["args"] = values.args
+    optimizer = common.get("optimizer")
+    if values.cfg.num_moe_experts and isinstance(optimizer, dict) and optimizer:
+        dense = optimizer[0] if set(optimizer) == {0, 1} else optimizer
+        common["optimizer"] = dense if values.config.ep == 1 else {
+            0: dense, 1: {**dense, "optimizer": {"param_groups": values.expert_param_groups()}}}
     return common
 
 

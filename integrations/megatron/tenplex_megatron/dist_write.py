@@ -27,10 +27,10 @@ from tenplex.ptree.shards import piece_view
 
 from tenplex_megatron.common import TargetValues
 from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.dcp_keys import flat_key, object_key, rng_key
+from tenplex_megatron.dcp_keys import extra_state_modules, flat_key, object_key, rng_key
 from tenplex_megatron.dcp_write import DcpWriter
 from tenplex_megatron.flatbuf import buffer_dtypes, buffer_layout, dtype_key, flat_buffers
-from tenplex_megatron.layouts import EXTRA_STATE_LINEARS, OPTIMIZER_STATES, spec_of
+from tenplex_megatron.layouts import OPTIMIZER_STATES, spec_of
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
 __all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir"]
@@ -75,6 +75,10 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
     if optim == "fully_reshardable":
         common["optimizer"] = {"optimizer": {"param_groups": values.param_groups()},
                                "param_state_sharding_type": "fully_reshardable", **values.grad_scaler()}
+        if values.cfg.num_moe_experts and values.config.ep > 1:  # ChainedOptimizer: {0: dense, 1: expert}
+            common["optimizer"] = {0: common["optimizer"],
+                                   1: {**common["optimizer"],
+                                       "optimizer": {"param_groups": values.expert_param_groups()}}}
     elif optim == "dp_reshardable":
         common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", **values.grad_scaler()}
     if values.values.get("megatron/args"):
@@ -110,41 +114,50 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         "dp_reshardable" if meta.get("optimizer") == "dp_reshardable" else "fully_reshardable")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
+        if optim == "dp_reshardable" and (to.vpp > 1 or (cfg.num_moe_experts and to.ep > 1)):
+            optim = "fully_reshardable"  # tenplex writes dp_reshardable buffers for one dense chunk only
+            values.notes.append(f"optimizer: written fully_reshardable (model space): tenplex writes "
+                                f"dp_reshardable buffers only without vpp and expert buffers ({to})")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
             values.notes.append("rng: the source stores no RNG state; none is written")
         tmp = temp_dir(path)
         try:
-            writer = DcpWriter(tmp)
-            for p in range(to.pp):
-                for t in range(to.tp):
-                    rank = to.rank(to.coord(0)._replace(tp=t, pp=p))
-                    writer.open(f"__{rank}_0.distcp")
-                    _write_tensors(build, cfg, writer, rank, optim)
-                    if optim == "dp_reshardable":
-                        _write_buffers(build, cfg, writer, t, p, rank, dtypes, values)
-                    if t == 0:
-                        _write_extra_states(cfg, to, writer, p)
-                    if rng_states:
-                        writer.object(rng_key(t, p, to.tp, to.pp), [rng_states[f"tp={t},pp={p}"]])
+            writer, files = DcpWriter(tmp), 0
+            for rank in range(to.world_size):
+                c = to.coord(rank)
+                dense = (c.dp, c.cp) == (0, 0)
+                if not dense and c.edp != 0:
+                    continue  # holds replicas only: megatron-core writes replica_id 0
+                writer.open(f"__{rank}_0.distcp")
+                files += 1
+                _write_tensors(build, cfg, writer, rank, optim)
+                if dense and optim == "dp_reshardable":
+                    _write_buffers(build, cfg, writer, c.tp, c.pp, rank, dtypes, values)
+                if dense and c.tp == 0 and c.ep == 0:
+                    _write_extra_states(cfg, to, writer, c.pp)
+                if dense and rng_states:
+                    writer.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
             writer.finish()
             commit_dir(tmp, path, common_state(values, optim, meta.get("content_metadata")))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return {"bytes_written": writer.bytes_written, "files": to.tp * to.pp,
+        return {"bytes_written": writer.bytes_written, "files": files,
                 "padding": list(build.plan.padding), "notes": values.notes}
 
 
-def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, int | None, str]:
-    """DCP key, layer and dtype name of tree path ``path``."""
-    if path.startswith("optimizer/"):
-        state, model = path.split("/")[1], "model/" + path.split("/", 2)[2]
-        spec = spec_of(cfg, model)
-        return f"optimizer.state.{state}.{spec.dist}", spec.layer, "float32"
-    spec = spec_of(cfg, path)
-    return spec.dist, spec.layer, spec.leaf.dtype
+def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """DCP key of tree path ``path``, its leading coordinates (layer, then global expert) and their sizes."""
+    spec = spec_of(cfg, path if path.startswith("model/") else "model/" + path.split("/", 2)[2])
+    key = spec.dist if path.startswith("model/") else f"optimizer.state.{path.split('/')[1]}.{spec.dist}"
+    lead, sizes = (), ()
+    if spec.layer is not None:
+        lead, sizes = (spec.layer,), (cfg.num_layers,)
+    if spec.expert is not None:
+        lead, sizes = lead + (spec.expert,), sizes + (cfg.num_moe_experts,)
+    return key, lead, sizes
 
 
 def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
@@ -154,15 +167,12 @@ def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
              and any(c.ranks[0] == rank for c in sharding.classes(q))]
     coord = build.to.coord(rank)
     for path, local in build.stream(rank, paths):
-        key, layer, _ = _dcp_key(cfg, path)
+        key, lead, lead_sizes = _dcp_key(cfg, path)
         size = sharding.physical_shape(build.tree[path])
         held = sharding.holding(path, coord)
         for piece in held.pieces:
-            data = piece_view(local, piece)
-            offsets, sizes = piece.box.offsets, size
-            if layer is not None:
-                data, offsets, sizes = data.unsqueeze(0), (layer,) + offsets, (cfg.num_layers,) + size
-            writer.tensor(key, sizes, offsets, data)
+            data = piece_view(local, piece).reshape((1,) * len(lead) + tuple(piece.box.sizes))
+            writer.tensor(key, lead_sizes + size, lead + piece.box.offsets, data)
         del local
 
 
@@ -184,7 +194,12 @@ def _write_buffers(build, cfg, writer, t, p, rank, dtypes, values) -> None:
 
 
 def _write_extra_states(cfg, to, writer, p) -> None:
-    first = to.first_layer(p, cfg.num_layers)
-    for layer in range(first, first + to.layers_per_stage(cfg.num_layers)[p]):
-        for linear in EXTRA_STATE_LINEARS:
-            writer.object(f"decoder.layers.{linear}._extra_state/shard_{layer}_{cfg.num_layers}", [None])
+    """Stage ``p``'s ``_extra_state`` objects (all None), expert ones per (layer, global expert)."""
+    L, E = cfg.num_layers, cfg.num_moe_experts
+    modules = {m: e for m, e in extra_state_modules(cfg).items() if m != "output_layer"}
+    for v in range(to.vpp):
+        for layer in to.chunk_layers(p, v, L):
+            for module, stacked in modules.items():
+                shards = [f"{layer}.{g}_{L}.{E}" for g in range(E)] if stacked else [f"{layer}_{L}"]
+                for shard in shards:
+                    writer.object(f"{module}._extra_state/shard_{shard}", [None])

@@ -25,56 +25,72 @@ one bucket per buffer (plus the shared embedding's own bucket).
 
 from __future__ import annotations
 
-from math import lcm, prod
+from functools import lru_cache
+from math import prod
 from typing import Any, Callable
 
 import torch
 
 from tenplex.errors import ManifestError
+from tenplex.ptree.buffer import layout_buffer
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 
 from tenplex_megatron.config import MegatronConfig
 from tenplex_megatron.layouts import OPTIMIZER_STATES, megatron_tree, optimizer_path, param_order
 from tenplex_megatron.ptfile import TensorRef
+from tenplex_megatron.safe_load import TORCH_DTYPES
 
 __all__ = ["ALIGN", "buffer_layout", "buffer_dtypes", "dtype_key", "distrib_optim_refs", "flat_buffers",
            "distrib_optim_state", "FLAT_DTYPE"]
 
 ALIGN = 64
+PAD_MULTIPLE = 128
 FLAT_DTYPE = torch.float32
 """The dtype of the optimizer state in the buffers (fp32 main params and moments)."""
 
 
-def buffer_layout(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, dp: int,
-                  bucket_size: int | None = None):
-    """Buckets of the (tp, ``pp_rank``) buffer: ``[(entries, unpadded, padded)]``.
+@lru_cache(maxsize=64)
+def _sharding(cfg: MegatronConfig, config: ParallelConfig) -> Sharding:
+    return Sharding(megatron_tree(cfg), config)
 
-    ``entries`` is ``[(spec, start, numel)]``, starts relative to the bucket,
-    in elements.
+
+def buffer_layout(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, group: int = 1,
+                  bucket_size: int | None = None, chunk: int = 0, expert: bool = False,
+                  ep_rank: int = 0):
+    """Buckets of one DDP buffer of rank (tp, ``pp_rank``): ``[(entries, unpadded, padded)]``.
+
+    The rule is core's :func:`tenplex.ptree.buffer.layout_buffer` (megatron-core's
+    ``_ParamAndGradBuffer``: reverse ``named_parameters()`` order, 64-element
+    alignment, buckets padded to ``lcm(group, 128)``, the shared embedding in a
+    bucket of its own).
+
+    Args:
+        group: the ranks the buffer is sharded over (dp x cp, or edp for experts).
+        chunk: the virtual pipeline chunk (one DDP, hence one buffer set, per chunk).
+        expert: the expert buffer (parameters with ``allreduce=False``: experts when
+            ep > 1) instead of the dense one; at ep = 1 experts are in the dense buffer.
+        ep_rank: the ep rank whose experts (and, for the dense buffer, nothing else) count.
+
+    Returns:
+        ``entries`` is ``[(spec, start, numel)]``, starts relative to the bucket, in elements;
+        ``unpadded`` includes the alignment gaps (megatron's ``numel_unpadded``).
     """
-    sharding = Sharding(megatron_tree(cfg), config)
-    params = list(reversed(param_order(cfg, config, pp_rank)))
+    sharding = _sharding(cfg, config)
     shared = cfg.tied and config.pp > 1
-    pad = lcm(dp, 128)
-    buckets, entries = [], []
-    start = 0
-    for spec in params:
-        numel = prod(sharding.tp_local(spec.leaf, 0)[0])
+    specs = {}
+    entries = []
+    for spec in reversed(param_order(cfg, config, pp_rank, chunk, ep_rank)):
+        if (spec.expert is not None and config.ep > 1) != expert:
+            continue
+        specs[spec.path] = spec
         own = shared and spec.path.endswith("word_embeddings/weight")
-        start = -(-start // ALIGN) * ALIGN
-        if own and entries:
-            last, first, n = entries[-1]
-            buckets.append((entries, first + n, 0))
-            entries, start = [], 0
-        entries.append((spec, start, numel))
-        start += numel
-        if (bucket_size is not None and start >= bucket_size) or own:
-            buckets.append((entries, start, 0))
-            entries, start = [], 0
-    if entries:
-        buckets.append((entries, start, 0))
-    return [(e, n, -(-n // pad) * pad) for e, n, _ in buckets]
+        entries.append((spec.path, prod(sharding.tp_local(spec.leaf, 0)[0]), own))
+    layout = layout_buffer(entries, group, ALIGN, PAD_MULTIPLE, bucket_size)
+    out = [([], b.numel, b.padded) for b in layout.buckets]
+    for path, (start, numel, b) in layout.members.items():
+        out[b][0].append((specs[path], start - layout.buckets[b].start, numel))
+    return out
 
 
 def buffer_dtypes(cfg: MegatronConfig, args: dict | None) -> tuple[str, str]:
@@ -87,31 +103,57 @@ def buffer_dtypes(cfg: MegatronConfig, args: dict | None) -> tuple[str, str]:
 
 def dtype_key(dtypes) -> tuple[torch.dtype, torch.dtype]:
     """``("torch.bfloat16", "torch.float32")`` as torch dtypes."""
-    out = tuple(getattr(torch, str(d).removeprefix("torch."), None) for d in dtypes)
+    out = tuple(TORCH_DTYPES.get(str(d).removeprefix("torch.")) for d in dtypes)
     if len(out) != 2 or not all(isinstance(d, torch.dtype) for d in out):
         raise ManifestError(f"buffer dtypes {list(dtypes)}: expected two torch dtype names")
     return out  # type: ignore[return-value]
 
 
 def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sharding, t: int, p: int,
-                       obj: Any, where: str) -> tuple[dict, tuple[str, str]]:
-    """Each optimizer leaf's bytes in a ``distrib_optim.pt`` (loaded with refs) of rank (``t``, ``p``).
+                       e: int, obj: Any, where: str) -> tuple[dict, tuple[str, str]]:
+    """Each optimizer leaf's bytes in a ``distrib_optim.pt`` (loaded with refs) of rank (``t``, ``p``, ``e``).
+
+    With experts at ep > 1 the file holds ``[dense | None, expert | None]``
+    (megatron-core ``ChainedOptimizer.save_parameter_state``): the dense state
+    only in ep rank 0's directories, the expert state (this ep rank's experts)
+    in every one. Each state is ``{"buckets_coalesced": True, chunk: {(param_dtype,
+    grad_dtype): {"param", "exp_avg", "exp_avg_sq": flat float32, "numel_unpadded"}}}``
+    with one entry per virtual pipeline chunk.
 
     Returns:
         ``({(optimizer leaf path, t, p): TensorRef}, (param_dtype, grad_dtype))``.
 
     Raises:
-        ManifestError: an unexpected structure (several model chunks or
+        ManifestError: an unexpected structure (a missing part or chunk, several
             buffers, uncoalesced buckets), a missing state, a dtype other than
             float32, or a buffer whose size is not the layout's.
     """
+    parts = [(obj, False)]
+    if config.ep > 1 and cfg.num_moe_experts:
+        if not isinstance(obj, list) or len(obj) != 2:
+            raise ManifestError(f"{where}: expected [dense | None, expert | None] (ep={config.ep}); "
+                                f"found {type(obj).__name__}")
+        if obj[1] is None or (e == 0 and obj[0] is None):
+            raise ManifestError(f"{where}: the {'expert' if obj[1] is None else 'dense'} optimizer state "
+                                "is missing")
+        parts = [(obj[1], True)] + ([(obj[0], False)] if e == 0 else [])
+    out, dtypes = {}, None
+    for state_obj, expert in parts:
+        for v in range(config.vpp):
+            found, dtypes = _chunk_refs(cfg, config, sharding, t, p, e, v, expert, state_obj, where)
+            out.update(found)
+    return out, dtypes  # type: ignore[return-value]
+
+
+def _chunk_refs(cfg, config, sharding, t, p, e, v, expert, obj, where):
+    where = f"{where} ({'expert' if expert else 'dense'} buffer, chunk {v})"
     if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
         raise ManifestError(f"{where}: expected {{'buckets_coalesced': True, 0: {{...}}}} "
                             "(megatron-core's save_parameter_state); found another structure")
-    chunks = sorted(k for k in obj if k != "buckets_coalesced")
-    if chunks != [0]:
-        raise ManifestError(f"{where}: model chunks {chunks}; virtual pipelines are not supported")
-    buffers = obj[0]
+    chunks = sorted((k for k in obj if k != "buckets_coalesced"), key=str)
+    if chunks != list(range(config.vpp)):
+        raise ManifestError(f"{where}: model chunks {chunks}; the args give vpp={config.vpp}")
+    buffers = obj[v]
     if not isinstance(buffers, dict) or len(buffers) != 1:
         raise ManifestError(f"{where}: {len(buffers) if isinstance(buffers, dict) else 0} buffers; "
                             "tenplex reads one (param_dtype, grad_dtype) buffer per rank")
@@ -119,7 +161,7 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
     dtypes = tuple(str(d) for d in key) if isinstance(key, tuple) else ()
     if len(dtypes) != 2 or not all(d.startswith("torch.") for d in dtypes):
         raise ManifestError(f"{where}: buffer key {key!r} is not (param_dtype, grad_dtype)")
-    layout = buffer_layout(cfg, config, p, 1)
+    layout = buffer_layout(cfg, config, p, 1, chunk=v, expert=expert, ep_rank=e)
     total = sum(n for _, n, _ in layout)
     out = {}
     for state in OPTIMIZER_STATES:
@@ -137,15 +179,17 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
                 shape = sharding.tp_local(spec.leaf, t)[0]
                 out[(optimizer_path(state, spec.path), t, p)] = flat.narrow(offset + start, numel, shape)
             offset += unpadded
-    return out, dtypes  # type: ignore[return-value]
+    return out, dtypes
 
 
 def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
-                 fill: Callable[[list[tuple[str, torch.Tensor]]], None]
+                 fill: Callable[[list[tuple[str, torch.Tensor]]], None], chunk: int = 0,
+                 expert: bool = False, ep_rank: int = 0
                  ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
     """Rank (t, ``p``)'s buffer, unpadded buckets coalesced, built from its optimizer leaves.
 
     Args:
+        chunk, expert, ep_rank: which buffer (see :func:`buffer_layout`).
         fill: ``fill([(optimizer leaf path, out), ...])`` copies each leaf's
             tp-local tensor (float32) into its flat view ``out`` (disjoint views,
             so they may be filled in parallel).
@@ -154,7 +198,8 @@ def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
         ``({state: flat float32 tensor}, [(bucket offset, bucket numel)])``: one
         tensor per state holds every bucket, gaps zero (so a bucket is a view).
     """
-    layout = buffer_layout(cfg, config, p, config.dp)
+    group = config.edp if expert else config.dp * config.cp
+    layout = buffer_layout(cfg, config, p, group, chunk=chunk, expert=expert, ep_rank=ep_rank)
     total = sum(n for _, n, _ in layout)
     flats = {s: torch.empty(total, dtype=FLAT_DTYPE) for s in OPTIMIZER_STATES}
     buckets, jobs, covered, offset = [], [], [], 0
@@ -174,8 +219,11 @@ def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
     return flats, buckets
 
 
-def distrib_optim_state(flats: dict[str, torch.Tensor], dtypes) -> dict:
-    """``distrib_optim.pt`` content for one rank: its buckets coalesced, unpadded
+def distrib_optim_state(chunks: list[dict[str, torch.Tensor]], dtypes) -> dict:
+    """One optimizer's ``distrib_optim.pt`` state: per model chunk, its buckets coalesced, unpadded
     (megatron-core's ``save_parameter_state`` with ``buckets_coalesced``)."""
-    total = flats[OPTIMIZER_STATES[0]].numel()
-    return {"buckets_coalesced": True, 0: {dtype_key(dtypes): {**flats, "numel_unpadded": total}}}
+    out: dict = {"buckets_coalesced": True}
+    for v, flats in enumerate(chunks):
+        total = flats[OPTIMIZER_STATES[0]].numel()
+        out[v] = {dtype_key(dtypes): {**flats, "numel_unpadded": total}}
+    return out

@@ -18,6 +18,8 @@ import torch
 
 from tenplex.errors import ManifestError
 
+from tenplex_megatron.safe_load import TORCH_DTYPES
+
 __all__ = ["to_jsonable", "from_jsonable"]
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -56,8 +58,8 @@ def to_jsonable(obj: Any, where: str = "value") -> Any:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = TORCH_DTYPES.get(str(name).removeprefix("torch."))
+    if dtype is None:
         raise ManifestError(f"unknown torch dtype {name!r} in a stored value")
     return dtype
 

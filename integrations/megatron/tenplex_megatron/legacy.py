@@ -25,7 +25,6 @@ parameter's name, and a missing moment is an error.
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -38,7 +37,9 @@ from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab, s
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import distrib_optim_refs
 from tenplex_megatron.jsonable import to_jsonable
-from tenplex_megatron.layouts import megatron_tree, optimizer_path, param_order, rank_keys  # rank_keys: re-exported
+from tenplex_megatron.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
+                                      rank_keys)  # rank_keys: re-exported
+from tenplex_megatron.legacy_grid import legacy_grid, rank_dir_name, rank_dirs
 from tenplex_megatron.ptfile import TensorRef, load_refs
 from tenplex_megatron.safe_load import open_regular
 from tenplex_megatron.source import MegatronSource
@@ -48,18 +49,12 @@ __all__ = ["TRACKER", "is_legacy", "describe_legacy", "open_legacy", "LegacySour
            "iteration_dir_name", "rank_keys"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
 _KNOWN = {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
           "rng_state", "num_floating_point_operations_so_far"}
 
 
 def is_legacy(root: str) -> bool:
     return os.path.isfile(os.path.join(root, TRACKER))
-
-
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """``mp_rank_TT`` (pp = 1) or ``mp_rank_TT_PPP``."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
 
 
 def iteration_dir_name(iteration) -> str:
@@ -80,19 +75,6 @@ def _iteration_dir(root: str) -> tuple[str, int | str]:
     return os.path.join(root, iteration_dir_name(int(text))), int(text)
 
 
-def _rank_dirs(iter_dir: str) -> dict[tuple[int, int], str]:
-    if not os.path.isdir(iter_dir):
-        raise ManifestError(f"{iter_dir}: the iteration directory named by {TRACKER} is missing")
-    found = {}
-    for name in sorted(os.listdir(iter_dir)):
-        m = _RANK_DIR.match(name)
-        if m:
-            found[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(iter_dir, name)
-    if not found:
-        raise ManifestError(f"{iter_dir}: no mp_rank_* directories")
-    return found
-
-
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -104,22 +86,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _grid(args, dirs: dict, iter_dir: str) -> tuple[int, int]:
-    """The grid the files should form: from args where they say it, else from the directories."""
-    tp = getattr(args, "tensor_model_parallel_size", None) or max(t for t, _ in dirs) + 1
-    pp = getattr(args, "pipeline_model_parallel_size", None) or max(p for _, p in dirs) + 1
-    for t in range(tp):
-        for p in range(pp):
-            if (t, p) not in dirs:
-                raise ManifestError(f"{iter_dir}: {rank_dir_name(t, p, pp)} is missing "
-                                    f"(expected tp={tp} x pp={pp} rank directories)")
-    extra = sorted(k for k in dirs if k[0] >= tp or k[1] >= pp)
-    if extra:
-        raise ConfigError(f"{iter_dir}: rank directories {[rank_dir_name(t, p, pp) for t, p in extra]} "
-                          f"lie outside the args' grid tp={tp} x pp={pp}")
-    return tp, pp
-
-
 def _check_ref(ref: Any, shape, dtype, what: str) -> TensorRef:
     if not isinstance(ref, TensorRef):
         raise ManifestError(f"{what}: expected a tensor, found {type(ref).__name__}")
@@ -129,13 +95,25 @@ def _check_ref(ref: Any, shape, dtype, what: str) -> TensorRef:
     return ref
 
 
-def _model_refs(cfg, config, sharding, t, p, model: dict, where: str) -> dict:
+def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, schemes: set) -> dict:
+    """Refs of chunk ``v``'s tensors in a rank file of (tp ``t``, pp ``p``, ep ``e``).
+
+    Dense tensors are taken from ep rank 0's files (the other ep ranks hold
+    replicas, checked for presence only); expert ``j`` of ep rank ``e`` is
+    global expert ``e * E / ep + j``. ``schemes`` collects the expert naming
+    schemes seen (``"sequential"`` or ``"grouped"``).
+    """
     out, used = {}, set()
-    for path, keys in rank_keys(cfg, config, p).items():
+    for path, keys in chunk_keys(cfg, config, p, v, e).items():
         key = next((k for k in keys if k in model), None)
         if key is None:
             raise ManifestError(f"{where}: key {keys[0]} (leaf {path}) is missing")
         leaf = sharding.tree[path]
+        if leaf.layout.expert is not None:
+            schemes.add("sequential" if key == keys[0] else "grouped")
+        elif e > 0:
+            used.update(k for k in keys if k in model)
+            continue
         out[(path, t, p)] = _check_ref(model[key], sharding.tp_local(leaf, t)[0],
                                        torch_dtype(leaf.dtype), f"{where}: {key}")
         used.update(k for k in keys if k in model)
@@ -152,25 +130,56 @@ def _model_refs(cfg, config, sharding, t, p, model: dict, where: str) -> dict:
     return out
 
 
+def _subs(optim: Any, where: str) -> list[dict]:
+    """The sub-optimizers' state dicts: one, or ``[dense, expert]`` (``ChainedOptimizer.state_dict``
+    at ep > 1)."""
+    subs = optim if isinstance(optim, list) else [optim]
+    if not 1 <= len(subs) <= 2 or not all(isinstance(o, dict) for o in subs):
+        raise ManifestError(f"{where}: the optimizer entry is a {type(optim).__name__}; expected a dict "
+                            "or [dense, expert] dicts")
+    return subs
+
+
 def _optimizer_kind(first: dict, has_distrib: bool, iter_dir: str) -> str | None:
     optim = first.get("optimizer")
     if optim is None:
         return None
-    if not isinstance(optim, dict):
-        raise ManifestError(f"{iter_dir}: the optimizer entry is a {type(optim).__name__}, not a dict")
+    subs = _subs(optim, iter_dir)
     if has_distrib:
         return "distrib_optim"
-    inner = optim.get("optimizer", optim) if isinstance(optim.get("optimizer"), dict) else optim
-    if "state" in inner:
+    inner = [o.get("optimizer", o) if isinstance(o.get("optimizer"), dict) else o for o in subs]
+    if all("state" in i for i in inner):
         return "adam"
     raise ManifestError(f"{iter_dir}: the optimizer's parameter state is missing "
                         "(no Adam state and no distrib_optim.pt)")
 
 
-def _adam_refs(cfg, config, sharding, t, p, optim: dict, model_refs: dict, where: str) -> dict:
+def _sub_specs(cfg, config, p, e, v, n_subs: int, where: str) -> list[list]:
+    """Parameters of each sub-optimizer: all (one), or ``[dense, experts]`` (two, ep > 1)."""
+    specs = param_order(cfg, config, p, v, e)
+    if n_subs == 1:
+        if config.ep > 1 and any(s.expert is not None for s in specs):
+            raise ManifestError(f"{where}: one optimizer, but ep={config.ep} keeps experts in their own")
+        return [specs]
+    return [[s for s in specs if s.expert is None], [s for s in specs if s.expert is not None]]
+
+
+def _adam_refs(cfg, config, sharding, t, p, e, optim, model_refs: dict, where: str) -> dict:
+    subs = _subs(optim, where)
+    out = {}
+    for sub, specs in zip(subs, _sub_specs(cfg, config, p, e, 0, len(subs), where)):
+        if e > 0:
+            specs = [s for s in specs if s.expert is not None]
+            if not specs:
+                continue
+        out.update(_adam_sub(sharding, t, p, sub, specs, model_refs, where))
+    return out
+
+
+def _adam_sub(sharding, t, p, optim: dict, specs: list, model_refs: dict, where: str) -> dict:
     inner = optim["optimizer"] if "state" not in optim else optim
     main = optim.get("fp32_from_fp16_params")
-    specs, state, out = param_order(cfg, config, p), inner.get("state", {}), {}
+    state, out = inner.get("state", {}), {}
     for g, group in enumerate(inner.get("param_groups", [])):
         no_wd = float(group.get("wd_mult", 1.0)) == 0.0
         members = [s for s in specs if s.no_weight_decay == no_wd]
@@ -199,47 +208,65 @@ def _adam_refs(cfg, config, sharding, t, p, optim: dict, model_refs: dict, where
     return out
 
 
-def _steps(optim: dict) -> list[Any]:
-    """The ``step`` entries (tensors as refs) of a non-distributed Adam state dict."""
-    inner = optim if "state" in optim else optim["optimizer"]
-    return [st["step"] for st in (inner.get("state") or {}).values() if "step" in st]
+def _steps(optim) -> list[Any]:
+    """The ``step`` entries (tensors as refs) of non-distributed Adam state dicts."""
+    out = []
+    for sub in _subs(optim, "optimizer"):
+        inner = sub if "state" in sub else sub["optimizer"]
+        out += [st["step"] for st in (inner.get("state") or {}).values() if "step" in st]
+    return out
 
 
 _OPTIMIZER_KEYS = {"state", "param_groups", "optimizer", "fp32_from_fp16_params", "grad_scaler"}
 
 
-def _optimizer_meta(optim: dict, where: str) -> dict:
+def _optimizer_meta(optim, where: str) -> dict:
     """The optimizer's param groups (without ``params``) and grad scaler, as JSON; ``step`` later.
 
     Megatron's optimizers save ``{"state", "param_groups"}`` (``FP32Optimizer``),
     ``{"optimizer", "fp32_from_fp16_params", "grad_scaler"}`` (``Float16OptimizerWithFloat16Params``)
-    or ``{"optimizer", "grad_scaler"}`` (``DistributedOptimizer``).
+    or ``{"optimizer", "grad_scaler"}`` (``DistributedOptimizer``); at ep > 1 a list
+    ``[dense, expert]`` of them (``ChainedOptimizer``), whose expert groups are kept
+    as ``expert_param_groups``.
 
     Raises:
         ManifestError: for any other entry (tenplex would not carry it).
     """
-    unknown = sorted(set(optim) - _OPTIMIZER_KEYS)
-    if unknown:
-        raise ManifestError(f"{where}: optimizer entries {unknown} are not supported")
-    inner = optim["optimizer"] if isinstance(optim.get("optimizer"), dict) else optim
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.get("param_groups", [])]
-    return {"param_groups": to_jsonable(groups, f"{where}: optimizer param_groups"), "step": None,
-            "grad_scaler": to_jsonable(optim.get("grad_scaler"), f"{where}: grad_scaler")}
+    subs = _subs(optim, where)
+    groups = []
+    for sub in subs:
+        unknown = sorted(set(sub) - _OPTIMIZER_KEYS)
+        if unknown:
+            raise ManifestError(f"{where}: optimizer entries {unknown} are not supported")
+        inner = sub["optimizer"] if isinstance(sub.get("optimizer"), dict) else sub
+        groups.append([{k: v for k, v in g.items() if k != "params"} for g in inner.get("param_groups", [])])
+    out = {"param_groups": to_jsonable(groups[0], f"{where}: optimizer param_groups"), "step": None,
+           "grad_scaler": to_jsonable(subs[0].get("grad_scaler"), f"{where}: grad_scaler")}
+    if len(groups) == 2:
+        out["expert_param_groups"] = to_jsonable(groups[1], f"{where}: expert param_groups")
+    return out
 
 
-def _extra(files: dict, iter_dir: str) -> dict:
+def _model_keys(vpp: int) -> set[str]:
+    """``model``, or ``model0`` .. ``model{vpp-1}`` (Megatron-LM's ``generate_state_dict``)."""
+    return {"model"} if vpp == 1 else {f"model{v}" for v in range(vpp)}
+
+
+def _extra(files: dict, iter_dir: str, vpp: int) -> dict:
     """Top-level entries Megatron tenplex does not model, identical in every file (else an error)."""
     out: dict = {}
-    for (t, p), state in files.items():
-        for key in sorted(set(state) - _KNOWN):
-            if key.startswith("model") and key[5:].isdigit():
-                raise ManifestError(f"{iter_dir}: {key} (virtual pipeline chunks) is not supported")
+    known = (_KNOWN - {"model"}) | _model_keys(vpp)
+    for state in files.values():
+        for key in sorted(set(state) - known):
+            if key.startswith("model"):
+                raise ManifestError(f"{iter_dir}: {key}: the args give vpp={vpp} model chunks "
+                                    f"({sorted(_model_keys(vpp))})")
             value = to_jsonable(state[key], f"{iter_dir}: top-level entry {key}")
             if key in out and out[key] != value:
                 raise ManifestError(f"{iter_dir}: top-level entry {key} differs between rank files; "
                                     "tenplex carries only entries that are the same on every rank")
             out[key] = value
-    if any(set(s) - _KNOWN != set(out) for s in files.values()):
+    if any(set(s) - known != set(out) for s in files.values()):
         raise ManifestError(f"{iter_dir}: top-level entries {sorted(out)} are not in every rank file")
     return out
 
@@ -247,14 +274,14 @@ def _extra(files: dict, iter_dir: str) -> dict:
 def _vocab_rows(cfg, config, first_stage: dict) -> int | None:
     """The padded vocabulary rows the files hold: tp x the first stage's embedding rows."""
     keys = rank_keys(cfg, config, 0).get("model/embedding/word_embeddings/weight", [])
-    model = _flatten(dict(first_stage.get("model") or {}))
+    model = _flatten(dict(first_stage.get("model" if config.vpp == 1 else "model0") or {}))
     ref = next((model[k] for k in keys if k in model), None)
     return ref.shape[0] * config.tp if isinstance(ref, TensorRef) and ref.shape else None
 
 
 def _load(path: str) -> tuple[Any, int]:
     obj, n = load_refs(path)
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) and not (path.endswith("distrib_optim.pt") and isinstance(obj, list)):
         raise ManifestError(f"{path}: expected a dict, found {type(obj).__name__}")
     return obj, n
 
@@ -295,7 +322,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         ConfigError: the args and the directory grid disagree.
     """
     iter_dir, iteration = _iteration_dir(root)
-    dirs = _rank_dirs(iter_dir)
+    dirs = rank_dirs(iter_dir)
     model_files = {k: os.path.join(d, "model_optim_rng.pt") for k, d in dirs.items()}
     distrib = {k: os.path.join(d, "distrib_optim.pt") for k, d in dirs.items()
                if os.path.exists(os.path.join(d, "distrib_optim.pt"))}
@@ -303,13 +330,17 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         loaded = dict(zip(model_files, pool.map(_load, model_files.values())))
         opt_loaded = dict(zip(distrib, pool.map(_load, distrib.values())))
     nbytes = sum(n for _, n in loaded.values()) + sum(n for _, n in opt_loaded.values())
-    files = {k: v for k, (v, _) in loaded.items()}
-    first = files[min(files)]
+    first = loaded[min(loaded)][0]
     args = first.get("args")
-    tp, pp = _grid(args, dirs, iter_dir)
+    config, mapped = legacy_grid(args, dirs, iter_dir)
+    by_dir = {v: k for k, v in mapped.items()}
+    files = {by_dir[dirs[k]]: v for k, (v, _) in loaded.items()}
+    opt_files = {by_dir[dirs[k]]: v for k, (v, _) in opt_loaded.items()}
+    opt_paths = {by_dir[dirs[k]]: v for k, v in distrib.items()}
     cfg = MegatronConfig.from_args(args, model_config)
-    config = ParallelConfig(1, tp, pp, stage_layers=stage_layers(args, cfg.num_layers, pp))
-    check_vocab(cfg, args, tp, _vocab_rows(cfg, config, files[(0, 0)]), iter_dir)
+    if cfg.num_moe_experts and cfg.num_moe_experts % config.ep:
+        raise ConfigError(f"{iter_dir}: ep={config.ep} does not divide num_moe_experts={cfg.num_moe_experts}")
+    check_vocab(cfg, args, config.tp, _vocab_rows(cfg, config, files[(0, 0, 0)]), iter_dir)
     if distrib and len(distrib) != len(dirs):
         raise ManifestError(f"{iter_dir}: distrib_optim.pt is in {len(distrib)} of {len(dirs)} "
                             "rank directories")
@@ -317,23 +348,37 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     tree = megatron_tree(cfg, optimizer=kind is not None)
     sharding = Sharding(tree, config)
     refs: dict = {}
+    schemes: set = set()
     buffer_dtypes = None
-    for (t, p), state in files.items():
-        where = model_files[(t, p)]
-        if not isinstance(state.get("model"), dict):
-            raise ManifestError(f"{where}: no model state dict")
-        model = _model_refs(cfg, config, sharding, t, p, _flatten(dict(state["model"])), where)
+    for (t, p, e), state in sorted(files.items()):
+        where = model_files[next(k for k, d in dirs.items() if d == mapped[(t, p, e)])]
+        model = {}
+        for v, key in enumerate(sorted(_model_keys(config.vpp))):
+            if not isinstance(state.get(key), dict):
+                raise ManifestError(f"{where}: no {key} state dict")
+            model.update(_model_refs(cfg, config, sharding, t, p, e, v, _flatten(dict(state[key])),
+                                     f"{where} [{key}]", schemes))
+        if len(schemes) > 1:
+            raise ManifestError(f"{where}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
+                                "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
         refs.update(model)
         if kind == "adam":
-            refs.update(_adam_refs(cfg, config, sharding, t, p, state["optimizer"], model, where))
+            if config.vpp > 1:
+                raise ManifestError(f"{where}: a non-distributed optimizer with vpp={config.vpp} is not "
+                                    "supported (use the distributed optimizer)")
+            refs.update(_adam_refs(cfg, config, sharding, t, p, e, state["optimizer"], model, where))
         elif kind == "distrib_optim":
-            found, dtypes = distrib_optim_refs(cfg, config, sharding, t, p, opt_loaded[(t, p)][0],
-                                               distrib[(t, p)])
+            found, dtypes = distrib_optim_refs(cfg, config, sharding, t, p, e, opt_files[(t, p, e)],
+                                               opt_paths[(t, p, e)])
             if buffer_dtypes not in (None, list(dtypes)):
-                raise ManifestError(f"{distrib[(t, p)]}: buffer dtypes {dtypes} differ from another "
+                raise ManifestError(f"{opt_paths[(t, p, e)]}: buffer dtypes {dtypes} differ from another "
                                     f"rank's {buffer_dtypes}")
             refs.update(found)
             buffer_dtypes = list(dtypes)
+    if len(schemes) > 1:
+        raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
+                            "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
+    files = {(t, p): s for (t, p, e), s in files.items() if e == 0}
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
         "megatron/iteration": iteration,
@@ -343,10 +388,12 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         "megatron/optimizer": None if kind is None else _optimizer_meta(first["optimizer"], iter_dir),
         "megatron/num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far"),
         "megatron/rng_state": sorted(rng_refs),
-        "megatron/extra": _extra(files, iter_dir) or None,
+        "megatron/extra": _extra(files, iter_dir, config.vpp) or None,
     }
     meta = {"megatron": {"format": "legacy", "root": root, "config": cfg.to_json(), "optimizer": kind,
                          "buffer_dtypes": buffer_dtypes}}
+    if schemes:
+        meta["megatron"]["expert_names"] = schemes.pop()
     steps = _steps(first["optimizer"]) if kind == "adam" else []
     return Found(Description(cfg, config, tree, values, meta), refs, rng_refs, steps, nbytes)
 

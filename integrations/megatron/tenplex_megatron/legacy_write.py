@@ -16,14 +16,15 @@ import uuid
 
 import torch
 
-from tenplex.errors import AlreadyExistsError
+from tenplex.errors import AlreadyExistsError, ConfigError
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.common import TargetValues
 from tenplex_megatron.config import MegatronConfig
 from tenplex_megatron.flatbuf import buffer_dtypes, distrib_optim_state, flat_buffers
-from tenplex_megatron.layouts import EXTRA_STATE_LINEARS, optimizer_path, param_order, rank_keys
-from tenplex_megatron.legacy import TRACKER, iteration_dir_name, rank_dir_name
+from tenplex_megatron.layouts import chunk_keys, extra_state_keys, optimizer_path, param_order
+from tenplex_megatron.legacy import TRACKER, iteration_dir_name
+from tenplex_megatron.legacy_grid import rank_dir_name
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
 __all__ = ["write_legacy", "legacy_optimizer"]
@@ -45,7 +46,23 @@ def legacy_optimizer(meta: dict, args) -> str | None:
     return "adam"
 
 
-def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
+def _writer_rank(to: ParallelConfig, t: int, p: int, e: int) -> int:
+    """The rank that writes directory (tp ``t``, pp ``p``, ep ``e``): its expert-dp rank is 0
+    (Megatron-LM ``save_checkpoint``)."""
+    for rank in range(to.world_size):
+        c = to.coord(rank)
+        if (c.tp, c.pp, c.ep, c.edp) == (t, p, e, 0):
+            return rank
+    raise ConfigError(f"{to}: no rank has tp={t}, pp={p}, ep={e} and expert-dp rank 0")
+
+
+def _experts(cfg: MegatronConfig, to: ParallelConfig) -> bool:
+    """Whether the target keeps experts in their own optimizer and buffers (ep > 1)."""
+    return bool(cfg.num_moe_experts) and to.ep > 1
+
+
+def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progress=None,
+                 expert_names: str | None = None) -> dict:
     """Write ``source`` laid out for ``to`` as a Megatron-LM per-rank checkpoint at ``root``.
 
     Args:
@@ -55,42 +72,56 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         to: the target config.
         threads: leaves built at once.
         progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
+        expert_names: ``"sequential"`` (``local_experts.{j}.linear_fc1.weight``) or
+            ``"grouped"`` (``linear_fc1.weight{j}``); default: the source's scheme.
 
     Returns:
         ``{"bytes_written", "files", "padding", "notes"}``.
 
     Raises:
         AlreadyExistsError: the iteration directory exists.
-        ConfigError: ``to`` cannot hold the model or be written as Megatron-LM args.
+        ConfigError: ``to`` cannot hold the model or be written as Megatron-LM args, or
+            an MoE model with ``etp != tp`` (its legacy files collide).
         ManifestError: the source is not a Megatron model, or a bad source.
     """
     cfg, meta = megatron_meta(source)
+    if cfg.num_moe_experts and to.etp != to.tp:
+        raise ConfigError(f"{to}: etp={to.etp} differs from tp={to.tp}; Megatron-LM's legacy files of an "
+                          "MoE model then collide or lack dense shards: write torch_dist")
+    names = expert_names or meta.get("expert_names") or "sequential"
+    if names not in ("sequential", "grouped"):
+        raise ConfigError(f"expert_names={names!r}: expected 'sequential' or 'grouped'")
+    if names != "sequential":
+        cfg = type(cfg).from_json({**cfg.to_json(), "moe_grouped_gemm": True})
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
+        optimizer = legacy_optimizer(meta, values.args) if any(
+            p.startswith("optimizer/") for p in source.tree.leaves) else None
+        if optimizer == "adam" and to.vpp > 1:
+            raise ConfigError(f"{to}: a non-distributed optimizer's legacy state with vpp={to.vpp} is "
+                              "not written by tenplex; reshard to vpp=1 or from a distributed optimizer")
         name = iteration_dir_name(values.iteration)
         final = os.path.join(root, name)
         if os.path.exists(final):
             raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
         os.makedirs(root, exist_ok=True)
         tmp = os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
-        optimizer = legacy_optimizer(meta, values.args) if any(
-            p.startswith("optimizer/") for p in source.tree.leaves) else None
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states()
         written, files = 0, 0
         try:
             for p in range(to.pp):
                 for t in range(to.tp):
-                    rank = to.rank(to.coord(0)._replace(tp=t, pp=p))
-                    d = os.path.join(tmp, rank_dir_name(t, p, to.pp))
-                    os.makedirs(d)
-                    written += _write_rank(build, cfg, values, rng_states, optimizer, t, p, rank, d)
-                    files += 1
-                    if optimizer == "distrib_optim":
-                        flats, _ = flat_buffers(cfg, to, p, lambda jobs: build.fill(rank, jobs))
-                        written += _save(distrib_optim_state(flats, dtypes), os.path.join(d, "distrib_optim.pt"))
+                    for e in range(to.ep):
+                        rank = _writer_rank(to, t, p, e)
+                        d = os.path.join(tmp, rank_dir_name(t, p, to.pp, e, to.ep))
+                        os.makedirs(d)
+                        written += _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d)
                         files += 1
-                        del flats
+                        if optimizer == "distrib_optim":
+                            written += _save(_distrib_optim(build, cfg, to, p, e, rank, dtypes),
+                                             os.path.join(d, "distrib_optim.pt"))
+                            files += 1
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -108,41 +139,62 @@ def _save(obj, path: str) -> int:
     return os.path.getsize(path)
 
 
-def _write_rank(build, cfg, values, rng_states, optimizer, t, p, rank, d) -> int:
+def _distrib_optim(build, cfg, to, p, e, rank, dtypes):
+    """``distrib_optim.pt`` of directory (``p``, ``e``): one state, or ``[dense | None, expert]``
+    at ep > 1 with the dense state in ep rank 0's directories only (``ChainedOptimizer``)."""
+    def state(expert: bool) -> dict:
+        return distrib_optim_state([flat_buffers(cfg, to, p, lambda jobs: build.fill(rank, jobs), v,
+                                                 expert, e)[0] for v in range(to.vpp)], dtypes)
+    if not _experts(cfg, to):
+        return state(False)
+    return [state(False) if e == 0 else None, state(True)]
+
+
+def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d) -> int:
     to = build.to
     local = build.rank(rank, "model/")
-    model: dict = {}
-    for path, accepted in rank_keys(cfg, to, p).items():
-        model[accepted[0]] = local[path]
-    first = to.first_layer(p, cfg.num_layers)
-    for i in range(first, first + to.layers_per_stage(cfg.num_layers)[p]):
-        for linear in EXTRA_STATE_LINEARS:
-            model[f"decoder.layers.{i - first}.{linear}._extra_state"] = None
-    if p == to.pp - 1:
-        model["output_layer._extra_state"] = None
+    names = 1 if cfg.moe_grouped_gemm else 0
     state: dict = {"args": values.args, "checkpoint_version": values.checkpoint_version,
-                   "iteration": values.iteration, "model": model}
+                   "iteration": values.iteration}
+    for v in range(to.vpp):
+        model: dict = {}
+        first = to.first_layer(p, cfg.num_layers, v)
+        for path, accepted in chunk_keys(cfg, to, p, v, e).items():
+            expert = build.tree[path].layout.expert is not None
+            model[accepted[names if expert else 0]] = local[path]
+        for layer in to.chunk_layers(p, v, cfg.num_layers):
+            for key in extra_state_keys(cfg, layer, to.ep):
+                model[key.format(i=layer - first)] = None
+        if (p, v) == (to.pp - 1, to.vpp - 1):
+            model["output_layer._extra_state"] = None
+        state["model" if to.vpp == 1 else f"model{v}"] = model
     if values.scheduler is not None:
         state["opt_param_scheduler"] = values.scheduler
+    subs = [values.param_groups()] + ([values.expert_param_groups()] if _experts(cfg, to) else [])
     if optimizer == "adam":
-        state["optimizer"] = _adam_state(build, cfg, values, p, rank, local)
+        specs = param_order(cfg, to, p, 0, e)
+        parts = [specs] if len(subs) == 1 else [[s for s in specs if s.expert is None],
+                                                [s for s in specs if s.expert is not None]]
+        state["optimizer"] = [_adam_state(build, cfg, values, rank, part, groups)
+                              for part, groups in zip(parts, subs)]
     elif optimizer == "distrib_optim":
-        state["optimizer"] = {"optimizer": {"param_groups": values.param_groups()}, **values.grad_scaler()}
+        state["optimizer"] = [{"optimizer": {"param_groups": groups}, **values.grad_scaler()} for groups in subs]
+    if optimizer is not None and len(subs) == 1:
+        state["optimizer"] = state["optimizer"][0]
     state["rng_state"] = rng_states[f"tp={t},pp={p}"]
     state["num_floating_point_operations_so_far"] = values.flops
     state.update(values.extra)
     written = _save(state, os.path.join(d, "model_optim_rng.pt"))
-    del local, model, state
+    del local, state
     return written
 
 
-def _adam_state(build, cfg: MegatronConfig, values, p, rank, local) -> dict:
+def _adam_state(build, cfg: MegatronConfig, values, rank, specs, param_groups) -> dict:
     """A non-distributed Adam's state dict: ``FP32Optimizer``'s, or ``Float16OptimizerWithFloat16Params``'
-    (with ``fp32_from_fp16_params``) for bf16/fp16 params."""
-    specs = param_order(cfg, build.to, p)
+    (with ``fp32_from_fp16_params``) for bf16/fp16 params, over ``specs`` (one sub-optimizer's)."""
     step = values.step()
     groups, state, mains, index = [], {}, [], 0
-    for g in values.param_groups():
+    for g in param_groups:
         no_wd = float(g.get("wd_mult", 1.0)) == 0.0
         ids, group_mains = [], []
         for spec in (s for s in specs if s.no_weight_decay == no_wd):

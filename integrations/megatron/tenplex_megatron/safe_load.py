@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import CorruptShardError, UnsafePickleError
+from tenplex.ptree.tree import DTYPES
 
 from tenplex_megatron.restricted_unpickler import (MAX_PICKLE_BYTES, Profile, Refused, Rule,
                                                    unpickle)
@@ -45,11 +46,11 @@ __all__ = ["safe_load", "load_tensor", "tensor_header", "FileView", "ALLOWED_GLO
 MAX_NDIM = 32
 """The most dimensions a tensor or array may claim."""
 
-TORCH_DTYPES = {name: getattr(torch, name) for name in (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
-    if isinstance(getattr(torch, name, None), torch.dtype)}
-"""``torch.<name>`` dtypes a file may name, as values (they cannot be called)."""
+TORCH_DTYPES = {**DTYPES, **{name: getattr(torch, name) for name in (
+    "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+    if isinstance(getattr(torch, name, None), torch.dtype)}}
+"""``torch.<name>`` dtypes a file may name, as values (they cannot be called): the one dtype table of
+tenplex_megatron, core's :data:`tenplex.ptree.tree.DTYPES` plus what files may also hold."""
 
 _NP_CODES = ("u4",)  # np.random.get_state()'s MT19937 key: the only NumPy array in a Megatron file
 _STORAGE_TYPES = {  # torch.save names a storage's dtype by its legacy storage class
@@ -409,11 +410,11 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
     return result
 
 
-def _torch_load(source, what: str, mmap: bool) -> Any:
+def _torch_load(source, what: str, mmap: bool, device: str = "cpu") -> Any:
     try:
         with _torch_globals(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's warning on pickle protocols other than 2
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location=device, weights_only=True, mmap=mmap)
     except Exception as exc:  # validated, so any failure here is a file torch reads differently
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         raise UnsafePickleError(f"{what}: refusing unsafe unpickling (torch.load refused a file "
@@ -462,14 +463,7 @@ def load_meta(f, what: str) -> Any:
         UnsafePickleError, CorruptShardError: as :func:`safe_load`.
     """
     _validate(f, _stream_size(f), what, ALLOWED_GLOBALS)
-    try:
-        with _torch_globals(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(f, map_location="meta", weights_only=True)
-    except Exception as exc:  # validated, so any failure here is a file torch reads differently
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        raise UnsafePickleError(f"{what}: refusing unsafe unpickling (torch.load refused a file "
-                                f"tenplex had validated: {type(exc).__name__}: {first})") from None
+    return _torch_load(f, what, False, "meta")
 
 
 def tensor_header(f, what: str) -> tuple[torch.dtype, tuple]:
