@@ -164,21 +164,29 @@ def test_unknown_tensors_are_refused_by_name(sources, tmp_path):
     assert done.returncode == 1 and "unexpected key decoder.layers.0.mlp.router.weight" in done.stderr
     dist = tmp_path / "dist"
     shutil.copytree(sources("mha", 2, 2) / "dist", dist)
-    _alias_key(dist, "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.router.weight")
+    _add_key(dist, "decoder.layers.mlp.router.weight", torch.zeros(2, 4, 64))
     done = tenplex("reshard", str(dist), str(tmp_path / "out"), "--to", "tp=1,pp=2", "--format", "tenplex")
     assert done.returncode == 1 and "unknown key decoder.layers.mlp.router.weight" in done.stderr
 
 
-def _alias_key(root, existing: str, new: str) -> None:
-    """Give the DCP tensor ``existing`` a second name in ``.metadata`` (its chunks are shared)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
+def _add_key(root, key: str, tensor: torch.Tensor) -> None:
+    """Add tensor ``key`` to the DCP checkpoint ``root``: saved by DCP itself into a file of its
+    own, which is then listed in ``root``'s ``.metadata``."""
+    import dataclasses
 
+    import torch.distributed.checkpoint as dcp
+
+    extra = root.parent / f"{root.name}-extra"
+    dcp.save({key: tensor}, checkpoint_id=str(extra), no_dist=True)
+    with open(extra / ".metadata", "rb") as f:
+        added = pickle.load(f)
     with open(root / ".metadata", "rb") as f:
         md = pickle.load(f)
-    md.state_dict_metadata[new] = md.state_dict_metadata[existing]
-    for index, info in list(md.storage_data.items()):
-        if index.fqn == existing:
-            md.storage_data[MetadataIndex(new, index.offset)] = info
+    for index, info in added.storage_data.items():
+        name = f"__extra{info.relative_path}"
+        shutil.copy(extra / info.relative_path, root / name)
+        md.storage_data[index] = dataclasses.replace(info, relative_path=name)
+    md.state_dict_metadata[key] = added.state_dict_metadata[key]
     with open(root / ".metadata", "wb") as f:
         pickle.dump(md, f)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tenplex.errors import ConfigError, ManifestError
+from tenplex.errors import ConfigError, CorruptShardError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron.config import MegatronConfig, stage_layers, uneven_args
 from tenplex_megatron.jsonable import from_jsonable, to_jsonable
@@ -165,7 +165,8 @@ def test_tensor_refs_read_only_what_is_asked(tmp_path):
     w = torch.randn(1024, 256)  # 1 MiB: the two runs below lie more than ptfile.GAP apart
     torch.save({"w": w, "args": argparse.Namespace(x=1)}, tmp_path / "a.pt")
     obj, n = load_refs(str(tmp_path / "a.pt"))
-    assert obj["args"].x == 1 and n < 8192 < w.numel() * 4
+    # the zip directory and pickle, read twice (validated, then loaded on the meta device)
+    assert obj["args"].x == 1 and n < 16384 < w.numel() * 4
     ref = obj["w"]
     got, read = ref.read(np.array([1024, 900000]), np.array([2048, 900004]))
     assert read == 1024 + 4
@@ -175,5 +176,5 @@ def test_tensor_refs_read_only_what_is_asked(tmp_path):
         load_refs(str(tmp_path / "b.pt"))
     data = (tmp_path / "a.pt").read_bytes()
     (tmp_path / "c.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ManifestError, match="not a readable torch.save file"):
+    with pytest.raises(CorruptShardError, match="not a torch zip archive"):
         load_refs(str(tmp_path / "c.pt"))
