@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tenplex.errors import ManifestError
+from tenplex.errors import CorruptShardError, ManifestError
 
 from tenplex_megatron.safe_load import load_meta
 
@@ -35,6 +36,23 @@ __all__ = ["TensorRef", "Window", "load_refs", "read_runs", "GAP"]
 
 GAP = 1 << 18
 """Byte runs closer than this (256 KiB) are read in one request."""
+
+
+def _open_regular(path: str):
+    """``path`` opened unbuffered for reading, non-blocking while it is checked to be a regular
+    file (a FIFO put in a file's place would block a plain ``open`` forever).
+
+    Raises:
+        FileNotFoundError: ``path`` is missing.
+        CorruptShardError: ``path`` is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CorruptShardError(f"{path}: not a regular file (mode {stat.filemode(mode)})")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=0)
 
 
 @dataclass(frozen=True)
@@ -120,7 +138,7 @@ def read_runs(file: str, offset: int, starts: np.ndarray, ends: np.ndarray, out:
                             f"of {len(out)} bytes")
     view, total = memoryview(out), 0
     try:
-        with open(file, "rb", buffering=0) as f:
+        with _open_regular(file) as f:
             for a, b in runs:
                 f.seek(offset + a)
                 got = f.readinto(view[a:b])
@@ -138,7 +156,7 @@ class Window(io.RawIOBase):
 
     def __init__(self, path: str, start: int = 0, length: int | None = None):
         super().__init__()
-        self._f = open(path, "rb", buffering=0)
+        self._f = _open_regular(path)
         size = os.fstat(self._f.fileno()).st_size
         self.start, self.length = start, size - start if length is None else length
         if start < 0 or self.length < 0 or start + self.length > size:
