@@ -19,7 +19,7 @@ from tenplex.errors import ConfigError, ShardError
 from tenplex.ptree.config import Coord, ParallelConfig
 from tenplex.ptree.sharding import Sharding
 
-from tenplex_megatron import rng as rng_json
+from tenplex_megatron.jsonable import from_jsonable, to_jsonable
 from tenplex_megatron.layouts import optimizer_path
 from tenplex_megatron.live.optim import slots
 from tenplex_megatron.live.params import named_params
@@ -122,7 +122,7 @@ def export_state(model_chunks, optimizer, scheduler, *, spec: LiveSpec, consumed
     out["optimizer/step"] = steps.pop() if steps else 0
     out["optimizer/scheduler"] = dict(scheduler.state_dict()) if scheduler is not None else None
     out["data/consumed_samples"] = int(consumed_samples)
-    out["rng/states"] = rng_json.encode(_rng_states())
+    out["rng/states"] = to_jsonable(_rng_states(), "rng/states")
     _check_against_tree(out, tree, sharding, coord)
     return {p: out[p] for p in tree.leaves if p in out}
 
@@ -174,7 +174,7 @@ def import_state(state: dict[str, Any], model_chunks, optimizer, scheduler, *, s
         scheduler.load_state_dict(state["optimizer/scheduler"])
     saved = state.get("rng/states")
     if saved is not None:
-        _set_rng_states(rng_json.decode(saved))
+        _set_rng_states(from_jsonable(saved))
     return Imported(consumed, step, saved is not None)
 
 
