@@ -104,14 +104,15 @@ def test_a_killed_worker_is_named_with_its_signal():
 
 
 def test_cli_prints_one_line_and_debug_adds_the_worker_traceback(monkeypatch, capsys):
-    from tenplex.cli import commands, main as cli
+    from tenplex.cli import main as cli
+    from tenplex_megatron.commands import DEMO
     from tenplex_megatron.demo.workers import WorkerError
 
     def fail(args):
         raise WorkerError("demo run elastic", 1, "RuntimeError: shape '[384, 128]' is invalid",
                           'Traceback (most recent call last):\n  File "reader.py", line 132, in read\n'
                           "RuntimeError: shape '[384, 128]' is invalid")
-    monkeypatch.setattr(commands, "demo", fail)
+    monkeypatch.setattr(DEMO, "run", fail)   # the object the CLI's `demo` subcommand runs
     assert cli.main(["demo"]) == 1
     err = capsys.readouterr().err
     assert err == ("tenplex demo: demo run elastic: worker 1 failed: RuntimeError: shape '[384, 128]' "
