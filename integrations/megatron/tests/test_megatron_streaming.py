@@ -147,7 +147,10 @@ def test_unknown_tensors_are_refused_by_name(sources, tmp_path):
 
 
 def _alias_key(root, existing: str, new: str) -> None:
-    """Give the DCP tensor ``existing`` a second name in ``.metadata`` (its chunks are shared)."""
+    """Add the DCP tensor ``new`` to ``.metadata``: a copy of ``existing`` (its items' bytes appended
+    to their files, so that no bytes are shared, which is refused on its own)."""
+    import dataclasses
+
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     with open(root / ".metadata", "rb") as f:
@@ -155,7 +158,12 @@ def _alias_key(root, existing: str, new: str) -> None:
     md.state_dict_metadata[new] = md.state_dict_metadata[existing]
     for index, info in list(md.storage_data.items()):
         if index.fqn == existing:
-            md.storage_data[MetadataIndex(new, index.offset)] = info
+            with open(root / info.relative_path, "r+b") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+                end = f.seek(0, os.SEEK_END)
+                f.write(data)
+            md.storage_data[MetadataIndex(new, index.offset)] = dataclasses.replace(info, offset=end)
     with open(root / ".metadata", "wb") as f:
         pickle.dump(md, f)
 
