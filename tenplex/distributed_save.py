@@ -167,7 +167,7 @@ def _commit(writer: StoreWriter, tree: PTree, config: ParallelConfig, written: l
 
 def _remove_own(writer: StoreWriter, rank: int) -> None:
     """Remove the shard file this process wrote (nothing was committed)."""
-    key = shard_file(rank)
+    key = shard_file(rank, writer.token)
     try:
         if writer.root.exists(key):
             writer.root.fs.rm(writer.root.key(key))
