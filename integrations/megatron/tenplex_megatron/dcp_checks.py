@@ -196,7 +196,8 @@ def _check_tensor_items(md: Metadata, root: str) -> None:
         with f:
             for key, item, c, info in sorted(items, key=lambda x: x[3].offset):
                 what = f"{path} [{key} at {tuple(c.offsets)}]"
-                dtype, shape = tensor_header(FileView(f, info.offset, info.length), what)
+                # unbuffered (f.raw): read only the header bytes, not 8 KiB of read-ahead per item
+                dtype, shape = tensor_header(FileView(f.raw, info.offset, info.length), what)
                 if shape != tuple(c.sizes) or dtype != item.properties.dtype:
                     raise CorruptShardError(f"{what}: the item holds a {shape} {dtype} tensor, the "
                                             f"metadata says {tuple(c.sizes)} {item.properties.dtype}")

@@ -19,7 +19,6 @@ storage record and inside the file (or window); a short read is an error.
 from __future__ import annotations
 
 import io
-import os
 from dataclasses import dataclass
 from math import prod
 from typing import Any

@@ -29,11 +29,15 @@ SEQUENCE = ["dp=1,tp=2,pp=1", "dp=1,tp=2,pp=1", "dp=2,tp=2,pp=1", "dp=2,tp=1,pp=
             "dp=4,tp=1,pp=1"]
 """Identity; dp doubled; tp halved; pp doubled; pp halved; dp halved; tp doubled; dp doubled; a mixed
 change that shrinks the world (4 -> 2), then one that grows it (2 -> 4)."""
+PLAIN_SEQUENCE = ["dp=1,tp=2,pp=1", "dp=1,tp=2,pp=1", "dp=2,tp=1,pp=1", "dp=1,tp=1,pp=2", "dp=2,tp=2,pp=1"]
+"""With the plain mixed-precision optimizer (no distributed optimizer): identity; tp halved and dp
+doubled; dp halved and pp doubled; pp halved, tp and dp doubled (the world grows 2 -> 4)."""
 
 
-def options():
+def options(distributed: bool = True):
     from tenplex_megatron.demo.job import JobOptions
-    return JobOptions(global_batch=8, micro_batch=2, seq=32, lr=3e-3, seed=SEED)
+    return JobOptions(global_batch=8, micro_batch=2, seq=32, lr=3e-3, seed=SEED,
+                      distributed_optimizer=distributed)
 
 
 class CountingComm(TorchComm):
@@ -120,16 +124,18 @@ def assembled(tree, config, directory: str) -> dict:
     return assemble(tree, config, shards, padded=True)
 
 
-def sequence(process: int, port: int, out: str) -> None:
-    """The change sequence; per change, the post-change state and steps against a static run at the new config."""
+def sequence(process: int, port: int, out: str, configs=tuple(SEQUENCE), distributed: bool = True) -> None:
+    """The change sequence ``configs``; per change, the post-change state and steps against a static
+    run at the new config. ``distributed``: megatron-core's DistributedOptimizer, else its plain
+    mixed-precision optimizer."""
     try:
-        _sequence(process, port, out)
+        _sequence(process, port, out, configs, distributed)
     except BaseException:
         write(out, f"error-{process}", traceback.format_exc())
         raise
 
 
-def _sequence(process: int, port: int, out: str) -> None:
+def _sequence(process: int, port: int, out: str, configs, distributed: bool) -> None:
     import torch.distributed as dist
     from tenplex.ptree.shards import materialize
     from tenplex_megatron.demo.data import load_corpus
@@ -139,18 +145,19 @@ def _sequence(process: int, port: int, out: str) -> None:
     from tenplex_megatron.live.state import export_state, import_state
 
     membership = setup(process, port)
-    opts, spec = options(), live_spec(MODEL, options())
+    opts = options(distributed)
+    spec = live_spec(MODEL, opts)
     corpus = load_corpus(opts.seq, 1 << 20, SEED)
-    configs = [ParallelConfig.parse(c) for c in SEQUENCE]
+    configs = [ParallelConfig.parse(c) for c in configs]
     parts, consumed, rows = None, 0, []
     if membership.form(configs[0].world_size):
         init_parallel_state(configs[0], SEED)
-        _, uninterrupted = start(configs[0], corpus, 2 * STEPS)
-        parts, losses = start(configs[0], corpus, STEPS)
+        _, uninterrupted = start(configs[0], corpus, 2 * STEPS, opts=opts)
+        parts, losses = start(configs[0], corpus, STEPS, opts=opts)
         consumed = STEPS * opts.global_batch
         if process == 0:
             write(out, "start", {"uninterrupted": uninterrupted, "losses": losses,
-                                 "errors": misuse(parts, spec, configs[0])})
+                                 "errors": misuse(parts, spec, configs[0]) if distributed else None})
     for i, (old, new) in enumerate(zip(configs, configs[1:])):
         tree = spec.tree(old, new)
         snapshot = os.path.join(out, f"change-{i}")

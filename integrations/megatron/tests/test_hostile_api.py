@@ -3,8 +3,9 @@
 Each case of :mod:`hostile_corpus` must raise its tenplex error from the
 lowest API that reads the file (``read_metadata``, ``SafeReader``,
 ``safe_load`` with and without ``mmap``, ``read_objects``) and from the
-format's reader (``open_dist``, ``open_legacy`` read in full, ``reshard_dist``), with
-nothing run. Real files written by megatron-core must load exactly as
+format's whole read (the plugin's ``open_source``, then every tensor and
+value converted to a tenplex store; ``reshard_dist`` for byte objects), with
+nothing run and nothing written. Real files written by megatron-core must load exactly as
 Python's and torch's own unpicklers load them, and the allow-lists must hold
 exactly the globals those files name.
 """
@@ -24,14 +25,21 @@ import torch
 from hostile_corpus import CASES, CWD_MARKER, DOPT_PT, MODEL_PT, Ctx, real_checkpoint
 from hostile_pickles import pt_records
 
+from tenplex.cli.convert import write_store
 from tenplex.errors import TenplexError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron import dcp_safe, safe_load as safe_load_module
 from tenplex_megatron.dcp_safe import SafeReader, read_metadata, read_objects
-from tenplex_megatron.dcp_source import open_dist
 from tenplex_megatron.dist_direct import reshard_dist
-from tenplex_megatron.legacy import open_legacy
+from tenplex_megatron.plugin import DIST, LEGACY
 from tenplex_megatron.safe_load import safe_load
+
+
+def _read_all(fmt: str, path: str, out: str) -> None:
+    """The format's whole read: open the source (metadata, args, objects), then read every
+    tensor and value into a tenplex store at ``out``."""
+    source = (DIST if fmt == "dist" else LEGACY).open_source(path)
+    write_store(source, out, source.config)
 
 
 @pytest.fixture(scope="module")
@@ -62,24 +70,12 @@ def test_api_refuses_hostile_file(case, real, tmp_path, monkeypatch):
         _refuses(case, lambda: safe_load(str(ckpt / case.file), mmap=True))
     else:
         _refuses(case, lambda: read_objects(str(ckpt), read_metadata(str(ckpt))))
-    if case.api == "objects":  # read_dist reads only optimizer objects; a reshard reads them all
+    if case.api == "objects":  # a direct reshard reads every byte object
         _refuses(case, lambda: reshard_dist(str(ckpt), str(tmp_path / "out"), ParallelConfig()))
-        assert not (tmp_path / "out").exists()
     else:
-        _refuses(case, lambda: _read_everything(case.fmt, str(ckpt)))
+        _refuses(case, lambda: _read_all(case.fmt, str(ckpt), str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
     assert not ctx.marker.exists() and not list(tmp_path.rglob(CWD_MARKER)), "a payload ran"
-
-
-def _read_everything(fmt: str, root: str) -> None:
-    """Open the checkpoint as a shard source and read every stored tensor and value in full."""
-    source = (open_dist if fmt == "dist" else open_legacy)(root)
-    ranks = range(source.config.world_size)
-    for path, _ in source.tree.tensors():
-        for record in {source.record(path, r) for r in ranks}:
-            source.read(record)
-    for path, leaf in source.tree.values():
-        for key in {leaf.key(source.config, r) for r in ranks}:
-            source.value(path, key)
 
 
 def _same(a, b) -> bool:

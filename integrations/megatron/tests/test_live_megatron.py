@@ -43,24 +43,22 @@ def _read(d, name):
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def test_change_sequence_matches_static_runs_bit_for_bit(tmp_path):
+def _sequence(tmp_path, configs, distributed):
     store, port = _store()
-    codes = _run([CTX.Process(target=w.sequence, args=(p, port, str(tmp_path))) for p in range(4)])
+    codes = _run([CTX.Process(target=w.sequence, args=(p, port, str(tmp_path), configs, distributed))
+                  for p in range(4)])
     errors = [f.read_text() for f in tmp_path.glob("error-*.json")]
     assert codes == [0, 0, 0, 0] and not errors, errors
-    start, rows = _read(tmp_path, "start"), _read(tmp_path, "sequence")
-    assert len(rows) == len(w.SEQUENCE) - 1
-    spec = live_spec(w.MODEL, w.options())
-    batch = w.options().global_batch
-    corpus = load_corpus(w.options().seq, 1 << 20, w.SEED)
-    errors = start["errors"]
-    assert errors["not distributed"].startswith("ConfigError: ") and "is distributed" in errors["not distributed"]
-    assert errors["dtype"].startswith("ShardError: ") and "expected float32" in errors["dtype"]
-    assert errors["missing leaf"] == "ShardError: state lacks 'optimizer/exp_avg/output_layer/weight'"
-    assert errors["world without membership"].startswith("ConfigError: change to dp=2,tp=2,pp=1 (4 ranks)")
-    assert errors["untouched"] is True           # a refused import wrote nothing
+    return _read(tmp_path, "start"), _read(tmp_path, "sequence")
+
+
+def _check_rows(tmp_path, start, rows, configs, distributed):
+    opts = w.options(distributed)
+    spec, batch = live_spec(w.MODEL, opts), opts.global_batch
+    corpus = load_corpus(opts.seq, 1 << 20, w.SEED)
+    assert len(rows) == len(configs) - 1
     # export + import alone (the identity change) continue the run bit for bit
-    assert rows[0]["losses"] == start["uninterrupted"][w.STEPS:]
+    assert rows[0]["old"] == rows[0]["new"] and rows[0]["losses"] == start["uninterrupted"][w.STEPS:]
     for i, row in enumerate(rows):
         old, new = ParallelConfig.parse(row["old"]), ParallelConfig.parse(row["new"])
         assert row["state_equal"], row                                # every tensor, bit for bit
@@ -72,7 +70,26 @@ def test_change_sequence_matches_static_runs_bit_for_bit(tmp_path):
         counted = sum(_read(tmp_path, f"sent-{i}-{p}") or 0 for p in range(4))
         plan = make_plan(spec.tree(old, new), old, new)
         assert counted == row["sent"] == row["planned_moved"] == row["lower_bound"] == plan.totals.lower_bound
-        _no_optimizer_gather(spec.tree(old, new), old, new, plan)
+        if distributed:
+            _no_optimizer_gather(spec.tree(old, new), old, new, plan)
+
+
+def test_change_sequence_matches_static_runs_bit_for_bit(tmp_path):
+    start, rows = _sequence(tmp_path, w.SEQUENCE, True)
+    errors = start["errors"]
+    assert errors["not distributed"].startswith("ConfigError: ") and "is distributed" in errors["not distributed"]
+    assert errors["dtype"].startswith("ShardError: ") and "expected float32" in errors["dtype"]
+    assert errors["missing leaf"] == "ShardError: state lacks 'optimizer/exp_avg/output_layer/weight'"
+    assert errors["world without membership"].startswith("ConfigError: change to dp=2,tp=2,pp=1 (4 ranks)")
+    assert errors["untouched"] is True           # a refused import wrote nothing
+    _check_rows(tmp_path, start, rows, w.SEQUENCE, True)
+
+
+def test_plain_optimizer_change_sequence_matches_static_runs_bit_for_bit(tmp_path):
+    """megatron-core's plain mixed-precision optimizer (bf16 params, fp32 main params; no
+    distributed optimizer): its state is replicated across dp, and moves the same way."""
+    start, rows = _sequence(tmp_path, w.PLAIN_SEQUENCE, False)
+    _check_rows(tmp_path, start, rows, w.PLAIN_SEQUENCE, False)
 
 
 def _no_optimizer_gather(tree, old, new, plan):

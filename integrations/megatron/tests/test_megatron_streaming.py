@@ -1,8 +1,6 @@
 """Megatron checkpoints are read in place: metadata only for inspect and plan, files checked on disk
 by verify, and every lie or gap refused (real megatron-core checkpoints, edited where a test says so)."""
 
-import builtins
-import io
 import json
 import os
 import pickle
@@ -33,49 +31,25 @@ def big(tmp_path_factory):
     return d
 
 
-class _CountingFile(io.FileIO):
-    counted = 0
-
-    def readinto(self, b):
-        n = super().readinto(b)
-        _CountingFile.counted += n or 0
-        return n
-
-
-def _counting_open(real):
-    # Counts reads through open() and os.fdopen() (tenplex opens checkpoint files with
-    # os.open(O_NOFOLLOW) and wraps the descriptor).
-    def wrapped(file, mode="r", buffering=-1, *args, closefd=True, **kwargs):
-        if "r" in mode and "b" in mode and "+" not in mode:
-            raw = _CountingFile(file, "rb", closefd=closefd)
-            return raw if buffering == 0 else io.BufferedReader(raw)
-        return real(file, mode, buffering, *args, **kwargs)
-    return wrapped
-
-
-def _header_allowance(root: str, fmt: str) -> int:
-    """Bytes a metadata-only read may add per stored item: DCP items are checked to hold a tensor
-    of their chunk's shape and dtype: a zip directory and a pickle each, read through 8 KiB buffers."""
-    if fmt != "dist":
-        return 0
-    from tenplex_megatron.dcp_safe import read_metadata
-    return 16384 * len(read_metadata(root).storage_data)
+def _bytes_read() -> int:
+    """The kernel's count of bytes this process has read (``rchar``: read(2), pread(2) and the
+    like), whatever opened the file: Python's ``open``, ``os.open`` + ``os.fdopen``, or torch's
+    C++ reader. A wrapper around ``open`` alone misses the last two. (Memory-mapped pages are not
+    counted; ``inspect`` and ``plan`` map nothing.)"""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "dist"])
-def test_inspect_and_plan_read_under_one_percent_of_the_bytes(big, monkeypatch, capsys, fmt):
+def test_inspect_and_plan_read_under_one_percent_of_the_bytes(big, capsys, fmt):
     root = str(big / fmt)
     total = fsspec.filesystem("file").du(root, total=True)
-    allowance = _header_allowance(root, fmt)
     assert main(["inspect", root]) == 0  # imports and entry points loaded before counting
-    monkeypatch.setattr(builtins, "open", _counting_open(builtins.open))
-    monkeypatch.setattr(io, "open", builtins.open)
     for argv in (["inspect", root, "--json"], ["plan", root, "--to", "tp=1,pp=4", "--json"]):
-        _CountingFile.counted = 0
+        before = _bytes_read()
         assert main(argv) == 0
-        read = _CountingFile.counted
-        assert 0 < read < 0.01 * total + allowance, (argv[0], read, total, allowance)
-    monkeypatch.undo()
+        read = _bytes_read() - before
+        assert 0 < read < 0.01 * total, (argv[0], read, total)
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
     assert info["config"]["tp"] == 2 and info["config"]["pp"] == 2
 
@@ -164,29 +138,29 @@ def test_unknown_tensors_are_refused_by_name(sources, tmp_path):
     assert done.returncode == 1 and "unexpected key decoder.layers.0.mlp.router.weight" in done.stderr
     dist = tmp_path / "dist"
     shutil.copytree(sources("mha", 2, 2) / "dist", dist)
-    _add_key(dist, "decoder.layers.mlp.router.weight", torch.zeros(2, 4, 64))
+    _alias_key(dist, "decoder.layers.mlp.linear_fc2.weight", "decoder.layers.mlp.router.weight")
     done = tenplex("reshard", str(dist), str(tmp_path / "out"), "--to", "tp=1,pp=2", "--format", "tenplex")
     assert done.returncode == 1 and "unknown key decoder.layers.mlp.router.weight" in done.stderr
 
 
-def _add_key(root, key: str, tensor: torch.Tensor) -> None:
-    """Add tensor ``key`` to the DCP checkpoint ``root``: saved by DCP itself into a file of its
-    own, which is then listed in ``root``'s ``.metadata``."""
+def _alias_key(root, existing: str, new: str) -> None:
+    """Add the DCP tensor ``new`` to ``.metadata``: a copy of ``existing`` (its items' bytes appended
+    to their files, so that no bytes are shared, which is refused on its own)."""
     import dataclasses
 
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    extra = root.parent / f"{root.name}-extra"
-    dcp.save({key: tensor}, checkpoint_id=str(extra), no_dist=True)
-    with open(extra / ".metadata", "rb") as f:
-        added = pickle.load(f)
     with open(root / ".metadata", "rb") as f:
         md = pickle.load(f)
-    for index, info in added.storage_data.items():
-        name = f"__extra{info.relative_path}"
-        shutil.copy(extra / info.relative_path, root / name)
-        md.storage_data[index] = dataclasses.replace(info, relative_path=name)
-    md.state_dict_metadata[key] = added.state_dict_metadata[key]
+    md.state_dict_metadata[new] = md.state_dict_metadata[existing]
+    for index, info in list(md.storage_data.items()):
+        if index.fqn == existing:
+            with open(root / info.relative_path, "r+b") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+                end = f.seek(0, os.SEEK_END)
+                f.write(data)
+            md.storage_data[MetadataIndex(new, index.offset)] = dataclasses.replace(info, offset=end)
     with open(root / ".metadata", "wb") as f:
         pickle.dump(md, f)
 

@@ -122,7 +122,7 @@ def export_state(model_chunks, optimizer, scheduler, *, spec: LiveSpec, consumed
     out["optimizer/step"] = steps.pop() if steps else 0
     out["optimizer/scheduler"] = dict(scheduler.state_dict()) if scheduler is not None else None
     out["data/consumed_samples"] = int(consumed_samples)
-    out["rng/states"] = to_jsonable(_rng_states(), "rng states")
+    out["rng/states"] = to_jsonable(_rng_states(), "rng/states")
     _check_against_tree(out, tree, sharding, coord)
     return {p: out[p] for p in tree.leaves if p in out}
 
