@@ -18,7 +18,6 @@ storage record and inside the file (or window); a short read is an error.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 
 from tenplex.errors import ManifestError
 
-from tenplex_megatron.safe_load import load_meta, open_regular
+from tenplex_megatron.safe_load import FileView, load_meta, open_regular
 
 __all__ = ["TensorRef", "Window", "load_refs", "read_runs", "GAP"]
 
@@ -133,46 +132,28 @@ def read_runs(file: str, offset: int, starts: np.ndarray, ends: np.ndarray, out:
     return total
 
 
-class Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of a file as a seekable, read-only stream; counts bytes read."""
+class Window(FileView):
+    """Bytes ``[start, start + length)`` of the file at ``path`` as a seekable, read-only
+    stream that owns its (unbuffered) file and counts the bytes read (``bytes_read``)."""
 
     def __init__(self, path: str, start: int = 0, length: int | None = None):
-        super().__init__()
-        self._f, size = open_regular(path, path, buffering=0)  # no FIFO or device can block us
-        self.start, self.length = start, size - start if length is None else length
-        if start < 0 or self.length < 0 or start + self.length > size:
-            self._f.close()
-            raise ManifestError(f"{path}: bytes [{start}, {start + self.length}) lie outside the "
+        f, size = open_regular(path, path, buffering=0)  # no FIFO or device can block us
+        length = size - start if length is None else length
+        if start < 0 or length < 0 or start + length > size:
+            f.close()
+            raise ManifestError(f"{path}: bytes [{start}, {start + length}) lie outside the "
                                 f"file of {size} bytes")
-        self.pos = 0
+        super().__init__(f, start, length)
+        self.start = start
         self.bytes_read = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + pos)
-        return self.pos
-
     def readinto(self, buf) -> int:
-        n = max(0, min(len(buf), self.length - self.pos))
-        if not n:
-            return 0
-        self._f.seek(self.start + self.pos)
-        got = self._f.readinto(memoryview(buf)[:n]) or 0
-        self.pos += got
+        got = super().readinto(buf) or 0
         self.bytes_read += got
         return got
 
     def close(self) -> None:
-        self._f.close()
+        self.f.close()
         super().close()
 
 
