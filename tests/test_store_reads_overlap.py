@@ -11,7 +11,7 @@ import multiprocessing as mp
 
 import pytest
 
-import overlap_workers as ow
+from tests.helpers import overlap_workers as ow
 from tenplex.api import save
 from tenplex.ptree import materialize
 

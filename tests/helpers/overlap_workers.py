@@ -20,7 +20,7 @@ from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.ptree.shards import bitwise_equal
 from tenplex.transform.comm import TorchComm
-from rendezvous import init_group
+from tests.helpers.rendezvous import init_group
 
 TREE = gpt_tree(GPTSpec(num_layers=2, hidden=64, heads=4, query_groups=4, ffn=128, vocab=100,
                         dtype="bfloat16", optimizer="adam"))
