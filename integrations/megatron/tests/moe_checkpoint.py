@@ -16,20 +16,12 @@ import os
 import random
 import time
 
-
-def log0(*msg) -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*msg, flush=True)
+from mcore_checkpoint import CheckpointMixin as DenseCheckpointMixin, log0
 
 
-def _inner_optimizers(opt):
-    subs = getattr(opt, "chained_optimizers", None) or [opt]
-    return [s.optimizer for s in subs]
+class CheckpointMixin(DenseCheckpointMixin):
+    """The dense worker's checkpointing (Adam-state helpers, log0), with expert files and chunks."""
 
-
-class CheckpointMixin:
     def megatron_args(self) -> argparse.Namespace:
         a = self.a
         return argparse.Namespace(
@@ -149,25 +141,6 @@ class CheckpointMixin:
         dist_checkpointing.save(sd, root, content_metadata={k: v for k, v in md.items() if k != "dp_cp_group"})
         self.dist.barrier()
         log0(f"TIME save_dist {time.time() - t:.2f}")
-
-    def _fill_adam_state(self):
-        torch = self.torch
-        for opt in _inner_optimizers(self.optimizer):
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    st = opt.state[p]
-                    if len(st) == 0:
-                        st["exp_avg"] = torch.zeros_like(p.data)
-                        st["exp_avg_sq"] = torch.zeros_like(p.data)
-                    st.setdefault("step", torch.tensor(0.0))
-
-    def _untie_steps(self):
-        for opt in _inner_optimizers(self.optimizer):
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    st = opt.state[p]
-                    if "step" in st and isinstance(st["step"], self.torch.Tensor):
-                        st["step"] = st["step"].clone()
 
     def _adapt_chained(self, opt_sd):
         """Fact 6: make common.pt's optimizer param_groups fit this run's chained optimizers.

@@ -119,11 +119,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return ((vocab + multiple - 1) // multiple) * multiple
-
-
 def patch_torch_norm_for_sp():
     """Sequence parallelism with the local spec on CPU (fact 1).
 
@@ -156,6 +151,7 @@ def patch_torch_norm_for_sp():
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+from mcore_worker import padded_vocab_size  # noqa: E402
 from moe_checkpoint import CheckpointMixin, log0  # noqa: E402
 from moe_run import RunMixin  # noqa: E402
 
