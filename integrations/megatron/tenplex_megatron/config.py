@@ -125,8 +125,19 @@ class MegatronConfig:
 
     @property
     def homogeneous(self) -> bool:
-        """Every layer has the same parameters (``torch_dist`` then stacks layers on one axis)."""
+        """Every layer has the same parameters."""
         return all(self.is_moe_layer(i) == self.is_moe_layer(0) for i in range(self.num_layers))
+
+    @property
+    def dist_per_layer(self) -> bool:
+        """Whether ``torch_dist`` keys the layers one by one (``decoder.layers.<l>.*``, no layer axis).
+
+        megatron-core 0.16.1 does so when ``moe_layer_freq`` is an int above 1 or a list, whatever
+        the pattern and whether or not the model has experts
+        (``transformer/transformer_block.py::TransformerBlock.sharded_state_dict``); otherwise it
+        stacks every layer on a leading axis.
+        """
+        return isinstance(self.moe_layer_freq, tuple) or int(self.moe_layer_freq) > 1
 
     @property
     def qkv_rows(self) -> int:

@@ -28,8 +28,8 @@ from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab
-from tenplex_megatron.dcp_keys import (DP_OBJECTS, EXTRA_KEY, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
-                                       expected_tensors, extra_state_modules, flat_key, is_dist,
+from tenplex_megatron.dcp_keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
+                                       expected_tensors, flat_key, is_dist, known_extra_state,
                                        object_key)
 from tenplex_megatron.dcp_safe import SafeReader, read_objects
 from tenplex_megatron.description import Description
@@ -197,11 +197,7 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | No
 def _check_object(key, kind, cfg, config, where) -> None:
     ok = True
     if kind == "extra_state":
-        module, layer, expert, layers, experts = EXTRA_KEY.match(key).groups()
-        modules = extra_state_modules(cfg)
-        ok = module in modules and int(layers) == cfg.num_layers and int(layer) < cfg.num_layers \
-            and (expert is not None) == modules[module] \
-            and (expert is None or (int(experts) == cfg.num_moe_experts and int(expert) < int(experts)))
+        ok = known_extra_state(cfg, key)
     elif kind == "rng":
         p, t, pp, tp = map(int, RNG_KEY.match(key).groups())
         ok = (pp, tp) == (config.pp, config.tp) and p < pp and t < tp

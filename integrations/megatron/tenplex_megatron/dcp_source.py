@@ -27,7 +27,7 @@ from tenplex.ptree.sharding import Piece
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import torch_dtype
 
-from tenplex_megatron.dcp_keys import EXTRA_KEY, flat_key, object_key
+from tenplex_megatron.dcp_keys import EXTRA_KEY, dist_key, flat_key, object_key
 from tenplex_megatron.dcp_read import DcpRecord, FoundDist, describe_dist, rng_coords
 from tenplex_megatron.dcp_safe import read_objects
 from tenplex_megatron.flatbuf import buffer_layout
@@ -78,10 +78,8 @@ class DistSource(MegatronSource):
         else:
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)
-        layer = () if spec.layer is None else (spec.layer,)
-        if spec.expert is not None:  # stacked by global expert id after the layer
-            layer += (spec.expert,)
-        return DcpRecord(prefix + spec.dist, layer, held.pieces, held.shape, dtype)
+        key, lead, _ = dist_key(self.desc.cfg, spec)  # (layer of a stacked key, global expert)
+        return DcpRecord(prefix + key, lead, held.pieces, held.shape, dtype)
 
     def _flat_record(self, spec, state, coord, dtype) -> DcpRecord:
         config = self.config

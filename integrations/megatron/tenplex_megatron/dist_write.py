@@ -27,7 +27,7 @@ from tenplex.ptree.shards import piece_view
 
 from tenplex_megatron.common import TargetValues
 from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.dcp_keys import extra_state_modules, flat_key, object_key, rng_key
+from tenplex_megatron.dcp_keys import dist_key, extra_state_objects, flat_key, object_key, rng_key
 from tenplex_megatron.dcp_write import DcpWriter
 from tenplex_megatron.flatbuf import buffer_dtypes, buffer_layout, dtype_key, flat_buffers
 from tenplex_megatron.layouts import OPTIMIZER_STATES, spec_of
@@ -151,12 +151,9 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
 def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """DCP key of tree path ``path``, its leading coordinates (layer, then global expert) and their sizes."""
     spec = spec_of(cfg, path if path.startswith("model/") else "model/" + path.split("/", 2)[2])
-    key = spec.dist if path.startswith("model/") else f"optimizer.state.{path.split('/')[1]}.{spec.dist}"
-    lead, sizes = (), ()
-    if spec.layer is not None:
-        lead, sizes = (spec.layer,), (cfg.num_layers,)
-    if spec.expert is not None:
-        lead, sizes = lead + (spec.expert,), sizes + (cfg.num_moe_experts,)
+    key, lead, sizes = dist_key(cfg, spec)
+    if not path.startswith("model/"):
+        key = f"optimizer.state.{path.split('/')[1]}.{key}"
     return key, lead, sizes
 
 
@@ -195,11 +192,7 @@ def _write_buffers(build, cfg, writer, t, p, rank, dtypes, values) -> None:
 
 def _write_extra_states(cfg, to, writer, p) -> None:
     """Stage ``p``'s ``_extra_state`` objects (all None), expert ones per (layer, global expert)."""
-    L, E = cfg.num_layers, cfg.num_moe_experts
-    modules = {m: e for m, e in extra_state_modules(cfg).items() if m != "output_layer"}
     for v in range(to.vpp):
-        for layer in to.chunk_layers(p, v, L):
-            for module, stacked in modules.items():
-                shards = [f"{layer}.{g}_{L}.{E}" for g in range(E)] if stacked else [f"{layer}_{L}"]
-                for shard in shards:
-                    writer.object(f"{module}._extra_state/shard_{shard}", [None])
+        for layer in to.chunk_layers(p, v, cfg.num_layers):
+            for key in extra_state_objects(cfg, layer):
+                writer.object(key, [None])
