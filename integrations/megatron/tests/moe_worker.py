@@ -52,6 +52,7 @@ The logits file is torch.save({'logits': [batch, seq, vocab] fp32}) (vocab unpad
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import random
 import sys
@@ -77,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--untie", action="store_true")
     add("--norm", choices=["LayerNorm", "RMSNorm"], default=None)
     add("--bias", choices=["on", "off"], default=None)
-    add("--moe-layer-freq", default="1", help="int or python list, e.g. [1,0,1,0]")
+    add("--moe-layer-freq", default="1", help="an int N (MoE on layers i %% N == 0) or a list, e.g. [1,0,1,0]")
     add("--expert-bias", action="store_true")
     add("--aux-coeff", type=float, default=0.0)
     add("--grouped-gemm", action="store_true")
@@ -111,7 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.bias = a.bias or ("off" if a.swiglu else "on")
     a.max_pos = a.max_pos or a.seq
     a.etp = a.etp or a.tp
-    a.moe_layer_freq = eval(a.moe_layer_freq, {}) if a.moe_layer_freq.startswith("[") else int(a.moe_layer_freq)
+    freq = ast.literal_eval(a.moe_layer_freq)  # an int N (MoE on layers i % N == 0) or a [1, 0, ...] list
+    if not (type(freq) is int and freq >= 1 or isinstance(freq, list) and set(freq) <= {0, 1}
+            and len(freq) == a.layers):
+        p.error(f"--moe-layer-freq {a.moe_layer_freq!r}: give an int >= 1 or a 0/1 list of {a.layers} layers")
+    a.moe_layer_freq = freq
     if a.sp is None:
         a.sp = "on" if (a.tp > 1 and a.experts) else "off"
     if a.train_steps > 0:

@@ -41,6 +41,8 @@ CASES = [
     ("pp2vpp2_to_pp1", 2, "--pp 2 --vpp 2", 1, "", "dp=1"),
     ("pp1_to_pp2vpp2", 1, "", 2, "--pp 2 --vpp 2", "dp=1,pp=2,vpp=2"),
     ("cp2_to_dp2", 2, "--cp 2", 2, "", "dp=2"),
+    # world 2, tp 1, ep 2: dense dp 2, expert dp 1 (megatron-core's expert grid ETP x EP x EDP x PP)
+    ("ep1_to_ep2", 1, "", 2, "--ep 2", "dp=2,ep=2"),
 ]
 
 
