@@ -139,8 +139,9 @@ def measured(cmd: list[str]) -> tuple[float, float, str]:
 
 
 def tenplex_exe() -> list[str]:
-    exe = pathlib.Path(sys.executable).parent / "tenplex"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "tenplex.cli.main"]
+    """``python -m tenplex.cli.main``: what the ``tenplex`` console script runs (``run``), from
+    the code on ``sys.path`` whatever entry point an installed copy's metadata names."""
+    return [sys.executable, "-m", "tenplex.cli.main"]
 
 
 _INSPECT = """
