@@ -8,7 +8,7 @@ and saved at ``tp=2,pp=2`` by four gloo processes on CPU
 checkpoint (``model_optim_rng.pt`` + ``distrib_optim.pt`` per rank), as a
 ``torch_dist`` directory with ``fully_reshardable`` optimizer state, and as
 one with ``dp_reshardable`` state. Each is then resharded to
-``tp=1,pp=4`` by the ``tenplex`` console script (a subprocess):
+``tp=1,pp=4`` by ``python -m tenplex.cli.main`` (what the console script runs; a subprocess):
 
 | case | source | target |
 |---|---|---|
