@@ -8,7 +8,7 @@ and saved at ``tp=2,pp=2`` by four gloo processes on CPU
 checkpoint (``model_optim_rng.pt`` + ``distrib_optim.pt`` per rank), as a
 ``torch_dist`` directory with ``fully_reshardable`` optimizer state, and as
 one with ``dp_reshardable`` state. Each is then resharded to
-``tp=1,pp=4`` by the ``tenplex`` console script (a subprocess):
+``tp=1,pp=4`` by ``python -m tenplex.cli.main`` (what the console script runs; a subprocess):
 
 | case | source | target |
 |---|---|---|
@@ -34,6 +34,11 @@ load_dist`` + ``TIME save_legacy``/``save_dist``, i.e. without process
 start, process groups and model build). ``tenplex_over_megatron`` is the
 worse of the two ratios of tenplex's CLI wall time (start-up included) to
 that (goal <= 0.5).
+
+**Inspect.** ``tenplex inspect --json`` of the legacy and the ``torch_dist``
+source: the CLI's wall time, and, in a process that has already imported
+what the command needs, the command's own seconds and the bytes it read
+(``/proc/self/io`` ``rchar``); ``inspect_s`` is the slower format's.
 
 **Correctness.** Every output's global tensors (model and optimizer) equal
 the source's bit for bit, compared leaf by leaf through tenplex's readers;
@@ -134,8 +139,37 @@ def measured(cmd: list[str]) -> tuple[float, float, str]:
 
 
 def tenplex_exe() -> list[str]:
-    exe = pathlib.Path(sys.executable).parent / "tenplex"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "tenplex.cli.main"]
+    """``python -m tenplex.cli.main``: what the ``tenplex`` console script runs (``run``), from
+    the code on ``sys.path`` whatever entry point an installed copy's metadata names."""
+    return [sys.executable, "-m", "tenplex.cli.main"]
+
+
+_INSPECT = """
+import contextlib, io, json, sys, time
+from tenplex.cli import commands, formats
+import tenplex_megatron.legacy, tenplex_megatron.dcp_read  # what inspect imports, loaded before timing
+formats.formats()
+def rchar():
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+from tenplex.cli.main import main
+t0, r0 = time.perf_counter(), rchar()
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(["inspect", sys.argv[1], "--json"])
+print(json.dumps({"code": code, "seconds": time.perf_counter() - t0, "bytes_read": rchar() - r0}))
+"""
+
+
+def inspect_cost(path: str) -> dict:
+    """``tenplex inspect``: the CLI's wall time, and in one process with its imports loaded
+    first, the command's own seconds and the bytes it read (``/proc/self/io`` ``rchar``)."""
+    wall, _, _ = measured([*tenplex_exe(), "inspect", path, "--json"])
+    done = subprocess.run([sys.executable, "-c", _INSPECT, path], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"inspect failed:\n{done.stderr[-3000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"cli_wall_s": round(wall, 2), "inspect_s": round(got["seconds"], 3),
+            "bytes_read": got["bytes_read"], "checkpoint_bytes": dir_bytes(path)}
 
 
 def largest_file(path: str) -> int:
@@ -197,6 +231,11 @@ def main() -> None:
                            "--save", "dist", "--save-dir", src["dist_dpr"])
         print(f"sources saved by megatron-core at tp=2,pp=2 ({w + w2:.0f} s): " + ", ".join(
             f"{k} {dir_bytes(v) / 1e9:.2f} GB" for k, v in src.items()))
+        inspect = {}
+        for name in ("legacy", "dist_fr"):
+            inspect[name] = r = inspect_cost(src[name])
+            print(f"inspect {name:8s} CLI {r['cli_wall_s']:.2f} s; the command itself {r['inspect_s']:.3f} s, "
+                  f"read {r['bytes_read'] / 1e6:.2f} MB of {r['checkpoint_bytes'] / 1e9:.2f} GB", flush=True)
         starts, baselines = {}, {}
         for kind, code in BASELINE.items():
             starts[kind], baselines[kind], _ = measured([sys.executable, "-c", code])
@@ -239,7 +278,9 @@ def main() -> None:
         ok = worst <= 1.0 and diff == 0.0 and all(r["same_state"] for r in results.values())
         print(json.dumps({"peak_rss_over_bound": worst, "tenplex_over_megatron": max(ratios.values()),
                           "tenplex_over_megatron_by_case": ratios,
-                          "cases": results, "params": m["params"], "logits_max_abs_diff": diff, "ok": ok}))
+                          "inspect_s": max(r["inspect_s"] for r in inspect.values()),
+                          "inspect": inspect, "cases": results, "params": m["params"],
+                          "logits_max_abs_diff": diff, "ok": ok}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

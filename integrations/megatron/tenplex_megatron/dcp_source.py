@@ -33,7 +33,7 @@ from tenplex_megatron.dcp_safe import read_objects
 from tenplex_megatron.flatbuf import buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
 from tenplex_megatron.layouts import spec_of
-from tenplex_megatron.ptfile import TensorRef, load_refs, read_runs
+from tenplex_megatron.ptfile import TensorRef, locate_tensor, read_runs
 from tenplex_megatron.source import MegatronSource
 from tenplex_megatron.tied import check_tied
 
@@ -123,7 +123,7 @@ class DistSource(MegatronSource):
             raise ManifestError(f"{self.root}: chunk {box} of {key} is stored with transforms "
                                 f"{list(info.transform_descriptors)}; tenplex reads plain chunks")
         path = chunk_path(self.root, info.relative_path)
-        ref, n = load_refs(path, int(info.offset), int(info.length), f"{path} [{key} {box}]")
+        ref, n = locate_tensor(path, int(info.offset), int(info.length), f"{path} [{key} {box}]")
         self.count(n)
         if not isinstance(ref, TensorRef) or ref.shape != box.sizes or ref.dtype != dtype:
             raise ManifestError(f"{path}: chunk {box} of {key} holds {ref!r:.120}; the metadata says "

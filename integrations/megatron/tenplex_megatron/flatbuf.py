@@ -42,7 +42,7 @@ from tenplex_megatron.ptfile import TensorRef
 from tenplex_megatron.safe_load import TORCH_DTYPES
 
 __all__ = ["ALIGN", "buffer_layout", "buffer_dtypes", "dtype_key", "distrib_optim_refs", "flat_buffers",
-           "distrib_optim_state", "FLAT_DTYPE"]
+           "flat_numel", "distrib_optim_state", "FLAT_DTYPE"]
 
 ALIGN = 64
 PAD_MULTIPLE = 128
@@ -182,14 +182,27 @@ def _chunk_refs(cfg, config, sharding, t, p, e, v, expert, obj, where):
     return out, dtypes
 
 
+def _flat_layout(cfg: MegatronConfig, config: ParallelConfig, p: int, chunk: int, expert: bool,
+                 ep_rank: int) -> list:
+    group = config.edp if expert else config.dp * config.cp
+    return buffer_layout(cfg, config, p, group, chunk=chunk, expert=expert, ep_rank=ep_rank)
+
+
+def flat_numel(cfg: MegatronConfig, config: ParallelConfig, p: int, chunk: int = 0,
+               expert: bool = False, ep_rank: int = 0) -> int:
+    """Elements of the flat tensor :func:`flat_buffers` builds per state (float32)."""
+    return sum(n for _, n, _ in _flat_layout(cfg, config, p, chunk, expert, ep_rank))
+
+
 def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
                  fill: Callable[[list[tuple[str, torch.Tensor]]], None], chunk: int = 0,
-                 expert: bool = False, ep_rank: int = 0
+                 expert: bool = False, ep_rank: int = 0, states: tuple[str, ...] = OPTIMIZER_STATES
                  ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
     """Rank (t, ``p``)'s buffer, unpadded buckets coalesced, built from its optimizer leaves.
 
     Args:
         chunk, expert, ep_rank: which buffer (see :func:`buffer_layout`).
+        states: the optimizer states to build (default all; a streaming writer builds one at a time).
         fill: ``fill([(optimizer leaf path, out), ...])`` copies each leaf's
             tp-local tensor (float32) into its flat view ``out`` (disjoint views,
             so they may be filled in parallel).
@@ -198,10 +211,9 @@ def flat_buffers(cfg: MegatronConfig, config: ParallelConfig, p: int,
         ``({state: flat float32 tensor}, [(bucket offset, bucket numel)])``: one
         tensor per state holds every bucket, gaps zero (so a bucket is a view).
     """
-    group = config.edp if expert else config.dp * config.cp
-    layout = buffer_layout(cfg, config, p, group, chunk=chunk, expert=expert, ep_rank=ep_rank)
+    layout = _flat_layout(cfg, config, p, chunk, expert, ep_rank)
     total = sum(n for _, n, _ in layout)
-    flats = {s: torch.empty(total, dtype=FLAT_DTYPE) for s in OPTIMIZER_STATES}
+    flats = {s: torch.empty(total, dtype=FLAT_DTYPE) for s in states}
     buckets, jobs, covered, offset = [], [], [], 0
     for entries, unpadded, _ in layout:
         for spec, start, numel in entries:

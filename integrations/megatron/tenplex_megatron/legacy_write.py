@@ -3,9 +3,12 @@
 For each (tp, pp) rank of the target config, its local tensors are built
 from the source through the planner (:class:`~tenplex_megatron.target.TargetBuilder`),
 saved as ``mp_rank_TT[_PPP]/model_optim_rng.pt`` (and, for the distributed
-optimizer, ``distrib_optim.pt``), and dropped before the next rank: a writer
-holds one target file. Everything goes to a temporary directory that is
-renamed into place at the end; the tracker file is written last.
+optimizer, ``distrib_optim.pt``), and dropped before the next rank. Each file
+is streamed (:func:`~tenplex_megatron.ptsave.save_streamed`): its tensors are
+built while the ones before them are written, so a writer holds the tensor
+it writes and those built ahead (a byte budget, or one flat optimizer state),
+never a whole file. Everything goes to a temporary directory that is renamed
+into place at the end; the tracker file is written last.
 """
 
 from __future__ import annotations
@@ -13,18 +16,23 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import torch
 
 from tenplex.errors import AlreadyExistsError, ConfigError
 from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.common import TargetValues
 from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.flatbuf import buffer_dtypes, distrib_optim_state, flat_buffers
-from tenplex_megatron.layouts import chunk_keys, extra_state_keys, optimizer_path, param_order
+from tenplex_megatron.flatbuf import (FLAT_DTYPE, buffer_dtypes, distrib_optim_state, flat_buffers,
+                                      flat_numel)
+from tenplex_megatron.layouts import OPTIMIZER_STATES, chunk_keys, extra_state_keys, optimizer_path, param_order
 from tenplex_megatron.legacy import TRACKER, iteration_dir_name
 from tenplex_megatron.legacy_grid import rank_dir_name
+from tenplex_megatron.ptsave import save_streamed
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
 __all__ = ["write_legacy", "legacy_optimizer"]
@@ -119,8 +127,8 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
                         written += _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d)
                         files += 1
                         if optimizer == "distrib_optim":
-                            written += _save(_distrib_optim(build, cfg, to, p, e, rank, dtypes),
-                                             os.path.join(d, "distrib_optim.pt"))
+                            written += _distrib_optim(build, cfg, to, p, e, rank, dtypes,
+                                                      os.path.join(d, "distrib_optim.pt"))
                             files += 1
             os.rename(tmp, final)
         except BaseException:
@@ -134,25 +142,51 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
                 "notes": values.notes}
 
 
-def _save(obj, path: str) -> int:
-    torch.save(obj, path)
-    return os.path.getsize(path)
+def _placeholder(build, path: str, rank: int) -> torch.Tensor:
+    """An untouched tensor of target ``rank``'s shape of ``path`` (see :mod:`tenplex_megatron.ptsave`)."""
+    held = build.runner.D.holding(path, build.to.coord(rank))
+    return torch.empty(held.shape, dtype=torch_dtype(build.tree[path].dtype))
 
 
-def _distrib_optim(build, cfg, to, p, e, rank, dtypes):
-    """``distrib_optim.pt`` of directory (``p``, ``e``): one state, or ``[dense | None, expert]``
-    at ep > 1 with the dense state in ep rank 0's directories only (``ChainedOptimizer``)."""
+def _ahead(fns: list) -> Iterator[torch.Tensor]:
+    """``fn()`` for each of ``fns`` in order, the next one built (in a thread) while the caller
+    writes the current one."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(fns[0]) if fns else None
+        for i in range(len(fns)):
+            result = future.result()
+            future = pool.submit(fns[i + 1]) if i + 1 < len(fns) else None
+            yield result
+
+
+def _distrib_optim(build, cfg, to, p, e, rank, dtypes, path: str) -> int:
+    """Write ``distrib_optim.pt`` of directory (``p``, ``e``): one state, or ``[dense | None, expert]``
+    at ep > 1 with the dense state in ep rank 0's directories only (``ChainedOptimizer``).
+
+    Each flat state tensor is built while the previous one is written; the file's bytes."""
+    placeholders, fns = [], []
+
+    def fill(jobs):
+        build.fill(rank, jobs)
+
+    def flat(v: int, expert: bool, state: str) -> torch.Tensor:
+        return flat_buffers(cfg, to, p, fill, v, expert, e, states=(state,))[0][state]
+
     def state(expert: bool) -> dict:
-        return distrib_optim_state([flat_buffers(cfg, to, p, lambda jobs: build.fill(rank, jobs), v,
-                                                 expert, e)[0] for v in range(to.vpp)], dtypes)
-    if not _experts(cfg, to):
-        return state(False)
-    return [state(False) if e == 0 else None, state(True)]
+        chunks = []
+        for v in range(to.vpp):
+            numel = flat_numel(cfg, to, p, v, expert, e)
+            chunks.append({s: torch.empty(numel, dtype=FLAT_DTYPE) for s in OPTIMIZER_STATES})
+            placeholders.extend(chunks[-1].values())
+            fns.extend(lambda v=v, s=s: flat(v, expert, s) for s in OPTIMIZER_STATES)
+        return distrib_optim_state(chunks, dtypes)
+    obj = state(False) if not _experts(cfg, to) else [state(False) if e == 0 else None, state(True)]
+    return save_streamed(obj, path, placeholders, _ahead(fns))
 
 
 def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d) -> int:
     to = build.to
-    local = build.rank(rank, "model/")
+    paths, placeholders = [], []
     names = 1 if cfg.moe_grouped_gemm else 0
     state: dict = {"args": values.args, "checkpoint_version": values.checkpoint_version,
                    "iteration": values.iteration}
@@ -161,7 +195,9 @@ def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d) -> 
         first = to.first_layer(p, cfg.num_layers, v)
         for path, accepted in chunk_keys(cfg, to, p, v, e).items():
             expert = build.tree[path].layout.expert is not None
-            model[accepted[names if expert else 0]] = local[path]
+            model[accepted[names if expert else 0]] = _placeholder(build, path, rank)
+            paths.append(path)
+            placeholders.append(model[accepted[names if expert else 0]])
         for layer in to.chunk_layers(p, v, cfg.num_layers):
             for key in extra_state_keys(cfg, layer, to.ep):
                 model[key.format(i=layer - first)] = None
@@ -184,9 +220,8 @@ def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d) -> 
     state["rng_state"] = rng_states[f"tp={t},pp={p}"]
     state["num_floating_point_operations_so_far"] = values.flops
     state.update(values.extra)
-    written = _save(state, os.path.join(d, "model_optim_rng.pt"))
-    del local, state
-    return written
+    return save_streamed(state, os.path.join(d, "model_optim_rng.pt"), placeholders,
+                         (tensor for _, tensor in build.stream(rank, paths)))
 
 
 def _adam_state(build, cfg: MegatronConfig, values, rank, specs, param_groups) -> dict:

@@ -27,9 +27,9 @@ import torch
 
 from tenplex.errors import ManifestError
 
-from tenplex_megatron.safe_load import FileView, load_meta, open_regular
+from tenplex_megatron.safe_load import FileView, load_meta, open_regular, tensor_header
 
-__all__ = ["TensorRef", "Window", "load_refs", "read_runs", "GAP"]
+__all__ = ["TensorRef", "Window", "load_refs", "locate_tensor", "read_runs", "GAP"]
 
 GAP = 1 << 18
 """Byte runs closer than this (256 KiB) are read in one request."""
@@ -178,6 +178,37 @@ def load_refs(path: str, start: int = 0, length: int | None = None, what: str | 
     with window:
         obj = load_meta(window, what)
     return _to_refs(obj, path, start, start + window.length, what), window.bytes_read
+
+
+def locate_tensor(path: str, start: int, length: int, what: str) -> tuple[TensorRef, int]:
+    """Where the one tensor of the ``torch.save`` blob at bytes ``[start, start + length)`` of
+    ``path`` (a DCP item) lies, and the bytes read to find it.
+
+    Only the restricted unpickler reads the blob's pickle
+    (:func:`~tenplex_megatron.safe_load.tensor_header` with ``locate``); the tensor's first
+    byte is its storage record's offset plus its storage offset. This is what
+    :func:`load_refs` finds, without its second pass through ``torch.load``.
+
+    Raises:
+        ManifestError: a missing file, an unsafe pickle, a blob that is not a
+            ``torch.save`` archive, or a tensor that is not row-major or lies outside the blob.
+    """
+    try:
+        window = Window(path, start, length)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: the file is missing") from None
+    with window:
+        dtype, shape, stride, first = tensor_header(window, what, locate=True)
+    step, nbytes = 1, prod(shape) * dtype.itemsize
+    for n, got in zip(reversed(shape), reversed(stride)):
+        if n > 1 and got != step:
+            raise ManifestError(f"{what}: a {list(shape)} {dtype} tensor with strides {list(stride)} is "
+                                "not row-major; tenplex reads row-major tensors only")
+        step *= n
+    if first < 0 or first + nbytes > length:
+        raise ManifestError(f"{what}: a {list(shape)} {dtype} tensor at byte {start + first} runs past "
+                            f"the end of its data ({start + length}); the file is truncated or lies")
+    return TensorRef(path, start + first, tuple(shape), dtype), window.bytes_read
 
 
 def _to_refs(obj: Any, path: str, start: int, end: int, what: str) -> Any:

@@ -40,8 +40,8 @@ from tenplex.ptree.tree import DTYPES
 from tenplex_megatron.restricted_unpickler import (MAX_PICKLE_BYTES, Profile, Refused, Rule,
                                                    unpickle)
 
-__all__ = ["safe_load", "load_tensor", "tensor_header", "FileView", "ALLOWED_GLOBALS", "TORCH_SAFE_GLOBALS", "MAX_NDIM",
-           "TORCH_DTYPES", "regular_file_size", "open_regular"]
+__all__ = ["safe_load", "load_tensor", "tensor_header", "FileView", "ALLOWED_GLOBALS",
+           "TORCH_SAFE_GLOBALS", "MAX_NDIM", "TORCH_DTYPES", "regular_file_size", "open_regular"]
 
 MAX_NDIM = 32
 """The most dimensions a tensor or array may claim."""
@@ -69,13 +69,13 @@ class _StorageType:
 
 
 class _Storage:
-    def __init__(self, dtype: torch.dtype, numel: int):
-        self.dtype, self.numel = dtype, numel
+    def __init__(self, dtype: torch.dtype, numel: int, record: str = ""):
+        self.dtype, self.numel, self.record = dtype, numel, record
 
 
 class _Tensor:
-    def __init__(self, dtype: torch.dtype, shape: tuple):
-        self.dtype, self.shape = dtype, shape
+    def __init__(self, dtype: torch.dtype, shape: tuple, storage: _Storage, offset: int, stride: tuple):
+        self.dtype, self.shape, self.storage, self.offset, self.stride = dtype, shape, storage, offset, stride
 
 
 class _NpDtype:
@@ -124,7 +124,7 @@ def _rebuild_tensor(args: tuple) -> _Tensor:
     if end > storage.numel:
         raise Refused(f"a tensor of size {size}, stride {stride}, offset {offset} reaches element "
                       f"{end} of a storage of {storage.numel} elements")
-    return _Tensor(storage.dtype, size)
+    return _Tensor(storage.dtype, size, storage, offset, stride)
 
 
 def _ordered_dict(args: tuple) -> OrderedDict:
@@ -355,8 +355,8 @@ def _stream_size(f) -> int:
     return size
 
 
-def _validate(f, size: int, what: str, rules: dict) -> Any:
-    """Open ``f`` with torch's zip reader and interpret its ``data.pkl`` under ``rules``."""
+def _validate(f, size: int, what: str, rules: dict, records: dict | None = None) -> Any:
+    """Interpret ``f``'s ``data.pkl`` under ``rules``; ``records`` gets ``{storage record: offset in f}``."""
     start = f.tell()
     try:
         archive = torch._C.PyTorchFileReader(f)
@@ -399,13 +399,15 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
         if record_size(name) != nbytes:
             raise Refused(f"record {name} holds {archive.get_record_size(name)} bytes, "
                           f"{numel} x {kind.dtype} needs {nbytes}")
-        storages[key] = _Storage(kind.dtype, numel)
+        storages[key] = _Storage(kind.dtype, numel, name)
         return storages[key]
 
     profile = Profile("torch file", rules, builders=_BUILDERS,
                       must_build=(_NpDtype, _NpArray), opcodes=_OPCODES,
                       persistent_load=persistent_load, dict_types=(dict, OrderedDict))
     result = unpickle(archive.get_record("data.pkl"), profile, what)
+    for storage in storages.values() if records is not None else ():
+        records[storage.record] = archive.get_record_offset(storage.record)
     f.seek(start)
     return result
 
@@ -466,9 +468,11 @@ def load_meta(f, what: str) -> Any:
     return _torch_load(f, what, False, "meta")
 
 
-def tensor_header(f, what: str) -> tuple[torch.dtype, tuple]:
+def tensor_header(f, what: str, *, locate: bool = False) -> tuple:
     """The dtype and shape of the one tensor saved alone with ``torch.save`` (a DCP item)
-    in the seekable file ``f``, checked without reading its data.
+    in the seekable file ``f``, checked without reading its data; with ``locate``, also its
+    strides and the offset in ``f`` of its first byte (its storage record's offset from
+    torch's zip reader, as ``torch.load(mmap=True)`` finds it): no ``torch.load`` runs.
 
     Only the tensor globals are allowed (no args, no NumPy).
 
@@ -476,11 +480,13 @@ def tensor_header(f, what: str) -> tuple[torch.dtype, tuple]:
         UnsafePickleError: as :func:`safe_load`, or the file holds something other than a tensor.
         CorruptShardError: as :func:`safe_load`.
     """
-    obj = _validate(f, _stream_size(f), what, _TENSOR_RULES)
+    records: dict[str, int] | None = {} if locate else None
+    obj = _validate(f, _stream_size(f), what, _TENSOR_RULES, records)
     if not isinstance(obj, _Tensor):
         raise UnsafePickleError(f"{what}: refusing unsafe unpickling (a tensor item holds a "
                                 f"{type(obj).__name__}, not a tensor)")
-    return obj.dtype, obj.shape
+    where = () if records is None else (obj.stride, records[obj.storage.record] + obj.offset * obj.dtype.itemsize)
+    return (obj.dtype, obj.shape, *where)
 
 
 def load_tensor(f, what: str) -> torch.Tensor:
