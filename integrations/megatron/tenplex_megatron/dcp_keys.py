@@ -28,9 +28,9 @@ from tenplex_megatron.safe_load import open_regular
 __all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_modules"]
 
-FLAT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+FLAT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                       r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
-OBJECT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
+OBJECT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
 EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)(?:\.(\d+))?_(\d+)(?:\.(\d+))?$")
 """``<module>._extra_state/shard_<layer>[.<expert>]_<L>[.<E>]`` (experts stacked on a second axis)."""
 RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
@@ -47,9 +47,10 @@ def is_dist(root: str) -> bool:
         return False
 
 
-def flat_key(m: int, bucket: int, state: str, dtypes) -> str:
-    """The DCP key of one ``dp_reshardable`` buffer: model-parallel rank ``m``, ``bucket``, ``state``."""
-    return (f"optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_({dtypes[0]}, {dtypes[1]})."
+def flat_key(m: int, bucket: int, state: str, dtypes, gbuf: int = 0) -> str:
+    """The DCP key of one ``dp_reshardable`` bucket: ``dp_group_idx`` ``m``, buffer ``gbuf``, ``bucket``,
+    ``state`` (without a ``chained_<i>.`` prefix; see :mod:`tenplex_megatron.dcp_buffers`)."""
+    return (f"optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_({dtypes[0]}, {dtypes[1]})."
             f"bucket_idx_{bucket}.{state}")
 
 

@@ -29,13 +29,13 @@ from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.dcp_keys import (DP_OBJECTS, EXTRA_KEY, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
-                                       expected_tensors, extra_state_modules, flat_key, is_dist,
-                                       object_key)
+                                       expected_tensors, extra_state_modules, is_dist, object_key)
+from tenplex_megatron.dcp_buffers import chained, expected_flat
 from tenplex_megatron.dcp_safe import SafeReader, read_objects
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
-from tenplex_megatron.layouts import OPTIMIZER_STATES, megatron_tree
+from tenplex_megatron.layouts import megatron_tree
 from tenplex_megatron.legacy_grid import parallel_config
 from tenplex_megatron.safe_load import safe_load
 
@@ -133,7 +133,7 @@ def _grid(cfg, args, md, optim, where) -> tuple[int, int]:
 
 def _buffer_grid(cfg, md, where) -> tuple[int, int]:
     sizes = {(int(m.group(1)), int(m.group(5))): v.size[0] for k, v in md.state_dict_metadata.items()
-             if (m := FLAT_KEY.match(k)) and m.group(6) == "param"}
+             if (m := FLAT_KEY.match(k)) and m.group(6) == "param" and not k.startswith("chained_1.")}
     groups = 1 + max((g for g, _ in sizes), default=0)
     matches = []
     for tp in (t for t in range(1, groups + 1) if groups % t == 0):
@@ -166,14 +166,12 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | No
                                     f"{item.properties.dtype}; the model config gives {list(shape)} "
                                     f"torch.{dtype} (tenplex never casts or reshapes on read)")
         elif isinstance(item, TensorStorageMetadata) and kind == "flat" and optim == "dp_reshardable":
-            m, g, pd, gd, b, state = FLAT_KEY.match(key).groups()
-            dtypes = dtypes or (pd, gd)
-            layout = buffer_layout(cfg, config, int(m) // config.tp, 1) if int(m) < config.world_size else []
-            if int(g) or (pd, gd) != dtypes or int(b) >= len(layout) or state not in OPTIMIZER_STATES \
-                    or tuple(item.size) != (layout[int(b)][1],) or item.properties.dtype != FLAT_DTYPE:
+            dtypes = dtypes or FLAT_KEY.match(key).group(3, 4)
+            numel = expected_flat(cfg, config, dtypes).get(key)
+            if numel is None or tuple(item.size) != (numel,) or item.properties.dtype != FLAT_DTYPE:
                 raise ManifestError(f"{where}: optimizer buffer {key} ({list(item.size)} "
                                     f"{item.properties.dtype}) does not fit the model's buffer layout at "
-                                    f"tp={config.tp}, pp={config.pp}")
+                                    f"{config} (megatron-core's distributed optimizers)")
             found_flat.add(key)
         elif isinstance(item, BytesStorageMetadata) and kind in ("extra_state", "rng", "dp_object"):
             _check_object(key, kind, cfg, config, where)
@@ -183,10 +181,7 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | No
     missing = sorted(set(expected) - set(md.state_dict_metadata))
     if optim == "dp_reshardable":
         dtypes = dtypes or ("torch.float32", "torch.float32")
-        missing += sorted({flat_key(t + config.tp * p, b, s, dtypes) for p in range(config.pp)
-                           for t in range(config.tp)
-                           for b in range(len(buffer_layout(cfg, config, p, 1)))
-                           for s in OPTIMIZER_STATES} - found_flat)
+        missing += sorted(set(expected_flat(cfg, config, dtypes)) - found_flat)
     if missing:
         raise ManifestError(f"{where}: tensor {missing[0]} is missing"
                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -211,6 +206,18 @@ def _check_object(key, kind, cfg, config, where) -> None:
     if not ok:
         raise ManifestError(f"{where}: object {key} does not fit the model (num_layers="
                             f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
+
+
+def _dp_groups(cfg, config, root, md) -> tuple[list, list | None]:
+    """The dense and expert param groups of a ``dp_reshardable`` checkpoint: in each sub-optimizer's
+    ``optimizer`` object of ``dp_group_idx`` 0 (the prefixes are :mod:`tenplex_megatron.dcp_buffers`')."""
+    out = []
+    for prefix in ("chained_0.", "chained_1.") if chained(cfg, config) else ("",):
+        key = prefix + object_key(0, "optimizer")
+        obj = read_objects(root, md, key).get(key) if key in md.state_dict_metadata else None
+        first = obj[0] if isinstance(obj, list) and obj else {}
+        out.append(first.get("param_groups", []) if isinstance(first, dict) else [])
+    return out[0], (out[1] if len(out) > 1 else None)
 
 
 def rng_coords(md) -> dict[str, str]:
@@ -259,9 +266,6 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata)
     tp, pp = _grid(cfg, args, md, optim, root)
     config = parallel_config(args, tp, pp)
-    if cfg.num_moe_experts and config.ep > 1 and optim == "dp_reshardable":
-        raise ManifestError(f"{root}: dp_reshardable optimizer state with ep={config.ep} (chained_0/1 "
-                            "buffers) is not supported; save with fully_reshardable")
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
     check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
@@ -273,9 +277,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
     groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
     if optim == "dp_reshardable":
-        key = object_key(0, "optimizer")
-        obj = read_objects(root, md, key).get(key) if key in md.state_dict_metadata else None
-        groups = (obj[0] if isinstance(obj, list) and obj else {}).get("param_groups", [])
+        groups, expert_groups = _dp_groups(cfg, config, root, md)
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
     values = {
         "megatron/iteration": common.get("iteration", 0),

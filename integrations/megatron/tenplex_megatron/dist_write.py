@@ -8,7 +8,8 @@ stacked tensor, as megatron-core saves them), then dropped. Replicas are
 written once (by the first rank that holds them), as megatron-core
 deduplicates by ``replica_id``. Optimizer state is written
 ``fully_reshardable`` (model space), or ``dp_reshardable`` flat buffers
-when the source used them. The directory is written under a temporary name
+when the source used them (``chained_0.``/``chained_1.`` dense and expert
+optimizers, one buffer per model chunk: :mod:`tenplex_megatron.dcp_buffers`). The directory is written under a temporary name
 and renamed into place; ``megatron.core.dist_checkpointing.load`` reads it.
 """
 
@@ -27,9 +28,10 @@ from tenplex.ptree.shards import piece_view
 
 from tenplex_megatron.common import TargetValues
 from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.dcp_keys import extra_state_modules, flat_key, object_key, rng_key
+from tenplex_megatron.dcp_buffers import chained, optimizer_buffers
+from tenplex_megatron.dcp_keys import extra_state_modules, rng_key
 from tenplex_megatron.dcp_write import DcpWriter
-from tenplex_megatron.flatbuf import buffer_dtypes, buffer_layout, dtype_key, flat_buffers
+from tenplex_megatron.flatbuf import buffer_dtypes, dtype_key, flat_buffers
 from tenplex_megatron.layouts import OPTIMIZER_STATES, spec_of
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
@@ -81,6 +83,8 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
                                        "optimizer": {"param_groups": values.expert_param_groups()}}}
     elif optim == "dp_reshardable":
         common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", **values.grad_scaler()}
+        if chained(values.cfg, values.config):  # ChainedOptimizer: {0: dense, 1: expert}
+            common["optimizer"] = {0: common["optimizer"], 1: dict(common["optimizer"])}
     if values.values.get("megatron/args"):
         common["args"] = values.args
         common["checkpoint_version"] = values.checkpoint_version
@@ -114,10 +118,6 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         "dp_reshardable" if meta.get("optimizer") == "dp_reshardable" else "fully_reshardable")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
-        if optim == "dp_reshardable" and (to.vpp > 1 or (cfg.num_moe_experts and to.ep > 1)):
-            optim = "fully_reshardable"  # tenplex writes dp_reshardable buffers for one dense chunk only
-            values.notes.append(f"optimizer: written fully_reshardable (model space): tenplex writes "
-                                f"dp_reshardable buffers only without vpp and expert buffers ({to})")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
@@ -133,8 +133,8 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                 writer.open(f"__{rank}_0.distcp")
                 files += 1
                 _write_tensors(build, cfg, writer, rank, optim)
-                if dense and optim == "dp_reshardable":
-                    _write_buffers(build, cfg, writer, c.tp, c.pp, rank, dtypes, values)
+                if optim == "dp_reshardable":
+                    _write_buffers(build, cfg, writer, c, rank, dtypes, values)
                 if dense and c.tp == 0 and c.ep == 0:
                     _write_extra_states(cfg, to, writer, c.pp)
                 if dense and rng_states:
@@ -176,21 +176,32 @@ def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
         del local
 
 
-def _write_buffers(build, cfg, writer, t, p, rank, dtypes, values) -> None:
+def _write_buffers(build, cfg, writer, c, rank, dtypes, values) -> None:
+    """The ``dp_reshardable`` buffers that rank ``rank`` (at ``c``) writes: its dense ones when it is
+    dp x cp rank 0, its expert ones when it is expert-dp rank 0 (each gathered over its group, unpadded)."""
     to = build.to
-    m = t + to.tp * p
-    layout = buffer_layout(cfg, to, p, to.dp)
-    flats, buckets = flat_buffers(cfg, to, p, lambda jobs: build.fill(rank, jobs))
-    for b, (offset, numel) in enumerate(buckets):
-        for state in OPTIMIZER_STATES:
-            writer.tensor(flat_key(m, b, state, dtypes), (numel,), (0,), flats[state][offset:offset + numel])
-    del flats
+    mine = [buf for buf in optimizer_buffers(cfg, to)
+            if (buf.expert and c.edp == 0 and (buf.split, buf.pp, buf.ep) == (c.etp, c.pp, c.ep))
+            or (not buf.expert and (c.dp, c.cp) == (0, 0) and (buf.split, buf.pp) == (c.tp, c.pp))]
     key = dtype_key(dtypes)
-    objects = {"optimizer": {"param_groups": values.param_groups()},
-               "per_bucket_numel": [{key: [padded for _, _, padded in layout]}],
-               "per_bucket_numel_unpadded": [{key: [n for _, n, _ in layout]}]}
-    for name, data in objects.items():
-        writer.object(object_key(m, name), [data])
+    groups: dict = {}
+    for buf in mine:
+        flats, buckets = flat_buffers(cfg, to, buf.pp, lambda jobs: build.fill(rank, jobs), buf.chunk,
+                                      buf.expert, buf.ep)
+        for b, (offset, numel) in enumerate(buckets):
+            for state in OPTIMIZER_STATES:
+                writer.tensor(buf.key(b, state, dtypes), (numel,), (0,), flats[state][offset:offset + numel])
+        del flats
+        layout = buf.layout(cfg, to, padded=True)
+        sizes = groups.setdefault((buf.prefix, buf.group_idx), (buf, [], []))
+        sizes[1].append({key: [padded for _, _, padded in layout]})
+        sizes[2].append({key: [n for _, n, _ in layout]})
+    for buf, padded, unpadded in groups.values():
+        param_groups = values.expert_param_groups() if buf.expert else values.param_groups()
+        objects = {"optimizer": {"param_groups": param_groups}, "per_bucket_numel": padded,
+                   "per_bucket_numel_unpadded": unpadded}
+        for name, data in objects.items():
+            writer.object(buf.object(name), [data])
 
 
 def _write_extra_states(cfg, to, writer, p) -> None:
