@@ -67,6 +67,11 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
                      ) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
     """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
 
+    Optimizer state is ``optimizer.state.<state>.<key>``: Adam's moments and fp32 main
+    params (``optim="fully_reshardable"``), or the moments alone for a non-distributed
+    optimizer over fp32 params (``optim="adam"``, megatron-core ``FP32Optimizer``: the
+    main params are the model's).
+
     Shapes are padded at ``sharding.config``'s tp; layer tensors are stacked
     ``[num_layers, ...]`` and ``layer`` is set for each layer's path (one key
     holds every layer, so the returned path is layer 0's). Expert tensors are
@@ -83,8 +88,8 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
                           "(decoder.layers.<l>.*), which tenplex does not read or write yet; use the "
                           "legacy format")
     out: dict = {}
-    prefixes = [("", None)] + ([(f"optimizer.state.{s}.", s) for s in OPTIMIZER_STATES]
-                               if optim == "fully_reshardable" else [])
+    states = {"fully_reshardable": OPTIMIZER_STATES, "adam": ("exp_avg", "exp_avg_sq")}.get(optim or "", ())
+    prefixes = [("", None)] + [(f"optimizer.state.{s}.", s) for s in states]
     for spec in param_specs(cfg):
         if spec.layer not in (None, 0) or spec.expert not in (None, 0):
             continue

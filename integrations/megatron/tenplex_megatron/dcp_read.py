@@ -87,11 +87,22 @@ def _chained(optimizer: dict, where: str) -> tuple[dict, list | None]:
     dense, expert = optimizer[0], optimizer[1]
     if not isinstance(dense, dict) or not isinstance(expert, dict):
         raise ManifestError(f"{where}/common.pt: chained optimizer entries are not dicts")
-    return dense, (expert.get("optimizer") or {}).get("param_groups", [])
+    inner = expert.get("optimizer") if isinstance(expert.get("optimizer"), dict) else expert
+    return dense, inner.get("param_groups", [])
 
 
-def _optim_type(common: dict, keys) -> str | None:
-    kind = (common.get("optimizer") or {}).get("param_state_sharding_type") \
+def _optim_type(common: dict, keys, where: str = "") -> str | None:
+    """``"fully_reshardable"``/``"dp_reshardable"`` (distributed optimizer), ``"adam"`` (a
+    non-distributed one: ``{"state": {"common_step"}, "param_groups"}``, megatron-core
+    ``FP32Optimizer.sharded_state_dict``) or None."""
+    optimizer = common.get("optimizer") or {}
+    if "fp32_from_fp16_params" in optimizer:
+        raise ManifestError(f"{where}/common.pt: a non-distributed optimizer with bf16/fp16 params "
+                            "(fp32_from_fp16_params): tenplex reads its torch_dist state only with fp32 "
+                            "params; save legacy")
+    if "state" in optimizer or "param_groups" in optimizer:
+        return "adam"
+    kind = optimizer.get("param_state_sharding_type") \
         or (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     if kind is None and any(k.startswith("optimizer.state.") for k in keys):
         kind = "fully_reshardable"
@@ -208,6 +219,23 @@ def _check_object(key, kind, cfg, config, where) -> None:
                             f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
 
 
+def _common_step(optimizer: dict, root: str) -> float | None:
+    """A non-distributed optimizer's shared Adam step (``state.common_step``; absent before the first step)."""
+    state = optimizer.get("state") or {}
+    if not isinstance(state, dict) or set(state) - {"common_step"}:
+        found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ManifestError(f"{root}/common.pt: optimizer state holds {found}; expected only common_step "
+                            "(megatron-core keeps per-parameter state in the sharded tensors)")
+    step = state.get("common_step")
+    if step is None:
+        return None
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if not isinstance(step, (int, float)) or isinstance(step, bool):
+        raise ManifestError(f"{root}/common.pt: optimizer common_step is {type(step).__name__}; expected a number")
+    return float(step)
+
+
 def _dp_groups(cfg, config, root, md) -> tuple[list, list | None]:
     """The dense and expert param groups of a ``dp_reshardable`` checkpoint: in each sub-optimizer's
     ``optimizer`` object of ``dp_group_idx`` 0 (the prefixes are :mod:`tenplex_megatron.dcp_buffers`')."""
@@ -263,7 +291,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     cfg = MegatronConfig.from_args(args, model_config)
     md = SafeReader(root).read_metadata()
     optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
-    optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata)
+    optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata, root)
     tp, pp = _grid(cfg, args, md, optim, root)
     config = parallel_config(args, tp, pp)
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
@@ -272,10 +300,17 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
-    unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"})
+    unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
+                     - ({"state", "param_groups"} if optim == "adam" else set()))
     if unknown:
         raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
     groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
+    step = None
+    if optim == "adam":
+        if cfg.params_dtype != "float32":
+            raise ManifestError(f"{root}: a non-distributed optimizer over {cfg.params_dtype} params without "
+                                "fp32_from_fp16_params; megatron-core keeps fp32 main params for them")
+        groups, step = optimizer.get("param_groups") or [], _common_step(optimizer, root)
     if optim == "dp_reshardable":
         groups, expert_groups = _dp_groups(cfg, config, root, md)
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
@@ -285,7 +320,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),
         "megatron/optimizer": None if optim is None else
-        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": None,
+        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": step,
          "grad_scaler": to_jsonable(optimizer.get("grad_scaler"), "grad_scaler"),
          **({"expert_param_groups": to_jsonable(expert_groups, "expert param_groups")} if expert_groups else {})},
         "megatron/num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far"),

@@ -74,7 +74,8 @@ class DistSource(MegatronSource):
             spec = spec_of(self.desc.cfg, model)
             if self.optim == "dp_reshardable":
                 return self._flat_record(spec, state, coord, dtype)
-            prefix = f"optimizer.state.{state}."
+            # a non-distributed optimizer over fp32 params: the main params are the model's
+            prefix = "" if (self.optim, state) == ("adam", "param") else f"optimizer.state.{state}."
         else:
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)

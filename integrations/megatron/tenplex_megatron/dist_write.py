@@ -7,7 +7,8 @@ DCP chunk of its global key (layers as chunks ``(layer, ...)`` of the
 stacked tensor, as megatron-core saves them), then dropped. Replicas are
 written once (by the first rank that holds them), as megatron-core
 deduplicates by ``replica_id``. Optimizer state is written
-``fully_reshardable`` (model space), or ``dp_reshardable`` flat buffers
+``fully_reshardable`` (model space), as the moments of a non-distributed
+optimizer (``adam``: ``FP32Optimizer``, whose main params are the model's), or ``dp_reshardable`` flat buffers
 when the source used them (``chained_0.``/``chained_1.`` dense and expert
 optimizers, one buffer per model chunk: :mod:`tenplex_megatron.dcp_buffers`). The directory is written under a temporary name
 and renamed into place; ``megatron.core.dist_checkpointing.load`` reads it.
@@ -22,7 +23,7 @@ import uuid
 
 import torch
 
-from tenplex.errors import AlreadyExistsError
+from tenplex.errors import AlreadyExistsError, ConfigError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import piece_view
 
@@ -69,7 +70,7 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
     common: dict = {"content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                                          **(content or {})}}
     common["content_metadata"].pop("distrib_optim_sharding_type", None)
-    if optim:
+    if optim in ("fully_reshardable", "dp_reshardable"):
         common["content_metadata"]["distrib_optim_sharding_type"] = optim
     common["iteration"] = values.iteration
     if values.scheduler is not None:
@@ -81,10 +82,15 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
             common["optimizer"] = {0: common["optimizer"],
                                    1: {**common["optimizer"],
                                        "optimizer": {"param_groups": values.expert_param_groups()}}}
+    elif optim == "adam":
+        common["optimizer"] = _adam_common(values, values.param_groups())
+        if chained(values.cfg, values.config):
+            common["optimizer"] = {0: common["optimizer"], 1: _adam_common(values, values.expert_param_groups())}
     elif optim == "dp_reshardable":
         common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", **values.grad_scaler()}
         if chained(values.cfg, values.config):  # ChainedOptimizer: {0: dense, 1: expert}
-            common["optimizer"] = {0: common["optimizer"], 1: dict(common["optimizer"])}
+            common["optimizer"] = {0: common["optimizer"], 1: {"param_state_sharding_type": "dp_reshardable",
+                                                               **values.grad_scaler()}}
     if values.values.get("megatron/args"):
         common["args"] = values.args
         common["checkpoint_version"] = values.checkpoint_version
@@ -92,6 +98,14 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
         common["num_floating_point_operations_so_far"] = values.flops
     common.update(values.extra)
     return common
+
+
+def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
+    """A non-distributed optimizer's ``common.pt`` entry (megatron-core ``FP32Optimizer.sharded_state_dict``):
+    its groups without ``params`` (rebuilt at load) and the shared Adam step."""
+    step = values.step()
+    return {"state": {} if step is None else {"common_step": torch.tensor(float(step))},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
 
 
 def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
@@ -114,8 +128,11 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
     """
     cfg, meta = megatron_meta(source)
     has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
-    optim = None if not has_optim else (
-        "dp_reshardable" if meta.get("optimizer") == "dp_reshardable" else "fully_reshardable")
+    optim = None if not has_optim else meta.get("optimizer") if meta.get("optimizer") in (
+        "dp_reshardable", "adam") else "fully_reshardable"
+    if optim == "adam" and cfg.params_dtype != "float32":
+        raise ConfigError(f"a non-distributed optimizer over {cfg.params_dtype} params: tenplex writes its "
+                          "torch_dist state only for fp32 params (no fp32_from_fp16_params); write legacy")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
@@ -162,7 +179,9 @@ def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, tuple[int, ...], tupl
 
 def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
     sharding = build.runner.D
-    prefixes = ("model/", "optimizer/") if optim == "fully_reshardable" else ("model/",)
+    # a non-distributed optimizer's main params are the fp32 model params: only its moments are stored
+    prefixes = {"fully_reshardable": ("model/", "optimizer/"),
+                "adam": ("model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/")}.get(optim, ("model/",))
     paths = [q for q in build.paths(rank) if q.startswith(prefixes)
              and any(c.ranks[0] == rank for c in sharding.classes(q))]
     coord = build.to.coord(rank)
