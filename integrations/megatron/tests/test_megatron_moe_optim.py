@@ -134,3 +134,31 @@ def test_non_distributed_adam_with_experts(sources, tmp_path, case):
         assert set(optimizer) == ({0, 1} if "ep=2" in to else {"state", "param_groups"}), optimizer.keys()
         assert not any(k.startswith("optimizer.state.param.") for k in dcp_keys(out))
     check_resumed(source, static, tmp_path, n_dst, dst + " --optimizer", out_fmt, out)
+
+
+ETP_CASES = [
+    # megatron-core's own legacy files at tp 2, ep 2, etp 1: mp_rank_00_000 and mp_rank_01_001 only
+    ("tp2ep2etp1_to_ep2", 2, "--tp 2 --ep 2 --etp 1 --dist-opt", "legacy", 2, "--ep 2", "dp=2,ep=2"),
+    ("ep2_dp_reshardable_to_tp2ep2etp1", 2, f"--ep 2 {DP_RESHARDABLE}", "dist", 2, "--tp 2 --ep 2 --etp 1",
+     "dp=1,tp=2,ep=2,etp=1"),
+]
+
+
+@pytest.mark.parametrize("case", ETP_CASES, ids=[c[0] for c in ETP_CASES])
+def test_legacy_moe_with_etp_below_tp(sources, tmp_path, case):
+    """Legacy files with etp < tp where tp divides etp*ep are complete in Megatron-LM (each directory's
+    writer has its readers' expert-tp rank): read and written, loaded by megatron-core; etp > tp is
+    refused naming the rule."""
+    name, n_src, src, fmt, n_dst, dst, to = case
+    source, static = sources(n_src, src)
+    out = tmp_path / "out"
+    done = tenplex("reshard", str(source / fmt), str(out), "--to", to, "--format", "megatron-legacy")
+    assert done.returncode == 0, done.stderr
+    dirs = sorted(p.name for p in (out / "iter_0000010").iterdir())
+    assert dirs == (["mp_rank_00_000", "mp_rank_01_001"] if "etp=1" in to else ["mp_rank_00_000", "mp_rank_00_001"])
+    check_resumed(source, static, tmp_path, n_dst, f"{dst} --dist-opt", "legacy", out)
+    done = tenplex("reshard", str(source / fmt), str(tmp_path / "etp2"), "--to", "dp=4,tp=1,ep=2,etp=2",
+                   "--format", "megatron-legacy")
+    assert done.returncode == 1 and not (tmp_path / "etp2").exists()
+    assert "ranks 0 and 1 (expert-tp ranks 0 and 1) share mp_rank_00_000" in done.stderr, done.stderr
+    assert "only with etp == tp, or etp < tp with tp dividing etp*ep" in done.stderr
