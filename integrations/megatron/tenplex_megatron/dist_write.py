@@ -8,10 +8,12 @@ stacked tensor, as megatron-core saves them), then dropped. Replicas are
 written once (by the first rank that holds them), as megatron-core
 deduplicates by ``replica_id``. Optimizer state is written
 ``fully_reshardable`` (model space), as the moments of a non-distributed
-optimizer (``adam``: ``FP32Optimizer``, whose main params are the model's), or ``dp_reshardable`` flat buffers
-when the source used them (``chained_0.``/``chained_1.`` dense and expert
-optimizers, one buffer per model chunk: :mod:`tenplex_megatron.dcp_buffers`). The directory is written under a temporary name
-and renamed into place; ``megatron.core.dist_checkpointing.load`` reads it.
+optimizer (``adam``: ``FP32Optimizer``, whose main params are the model's),
+or ``dp_reshardable`` flat buffers when the source used them
+(``chained_0.``/``chained_1.`` dense and expert optimizers, one buffer per
+model chunk: :mod:`tenplex_megatron.dcp_buffers`). The directory is written
+under a temporary name and renamed into place;
+``megatron.core.dist_checkpointing.load`` reads it.
 """
 
 from __future__ import annotations

@@ -119,8 +119,9 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
     only in ep rank 0's directories, the expert state (this ep rank's experts)
     in every one (with etp != tp: the dense state where the writer is dense dp x cp
     rank 0, the expert state at the writer's expert-tp rank; ``writer`` is its
-    ``Coord``, by default that of tp rank ``t`` with etp == tp). Each state is ``{"buckets_coalesced": True, chunk: {(param_dtype,
-    grad_dtype): {"param", "exp_avg", "exp_avg_sq": flat float32, "numel_unpadded"}}}``
+    ``Coord``, by default that of tp rank ``t`` with etp == tp). Each state is
+    ``{"buckets_coalesced": True, chunk: {(param_dtype, grad_dtype): {"param", "exp_avg",
+    "exp_avg_sq": flat float32, "numel_unpadded"}}}``
     with one entry per virtual pipeline chunk.
 
     Returns:

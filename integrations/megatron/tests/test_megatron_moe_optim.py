@@ -66,7 +66,8 @@ def check_resumed(source, static, tmp_path, n: int, flags: str, fmt: str, out) -
     """megatron-core at the target loads ``out``: logits within 1e-6 of the source's (a fresh model's
     are not), and 2 more steps within 1e-6 of the static run."""
     got = run_moe(n, flags, "--load", fmt, "--load-dir", str(out), "--train-steps", "2", "--strict", "on",
-                  "--loaded-logits-out", str(tmp_path / "got.pt"), "--fresh-logits-out", str(tmp_path / "fresh.pt"))
+                  "--loaded-logits-out", str(tmp_path / "got.pt"),
+                  "--fresh-logits-out", str(tmp_path / "fresh.pt"))
     ref, loaded, fresh = logits(source / "ref.pt"), logits(tmp_path / "got.pt"), logits(tmp_path / "fresh.pt")
     assert (ref - loaded).abs().max().item() <= 1e-6
     assert (ref - fresh).abs().max().item() > 1e-3, "the load must matter"
@@ -155,7 +156,8 @@ def test_legacy_moe_with_etp_below_tp(sources, tmp_path, case):
     done = tenplex("reshard", str(source / fmt), str(out), "--to", to, "--format", "megatron-legacy")
     assert done.returncode == 0, done.stderr
     dirs = sorted(p.name for p in (out / "iter_0000010").iterdir())
-    assert dirs == (["mp_rank_00_000", "mp_rank_01_001"] if "etp=1" in to else ["mp_rank_00_000", "mp_rank_00_001"])
+    want = ["mp_rank_00_000", "mp_rank_01_001"] if "etp=1" in to else ["mp_rank_00_000", "mp_rank_00_001"]
+    assert dirs == want
     check_resumed(source, static, tmp_path, n_dst, f"{dst} --dist-opt", "legacy", out)
     done = tenplex("reshard", str(source / fmt), str(tmp_path / "etp2"), "--to", "dp=4,tp=1,ep=2,etp=2",
                    "--format", "megatron-legacy")
