@@ -96,16 +96,16 @@ def _check_ref(ref: Any, shape, dtype, what: str) -> TensorRef:
 
 
 def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, schemes: set,
-                writer=None) -> dict:
+                writer) -> dict:
     """Refs of chunk ``v``'s tensors in a rank file of (tp ``t``, pp ``p``, ep ``e``).
 
     Dense tensors are taken from the files of dense dp x cp rank 0 (ep rank
     0's, when etp == tp; the others hold replicas, checked for presence
     only); expert ``j`` of ep rank ``e`` is global expert ``e * E / ep + j``,
     split at the writer's expert-tp rank (keyed by it). ``schemes`` collects
-    the expert naming schemes seen (``"sequential"`` or ``"grouped"``).
+    the expert naming schemes seen (``"sequential"`` or ``"grouped"``);
+    ``writer`` is the ``Coord`` of the rank that wrote the file.
     """
-    writer = writer or config.coord(legacy_writers(config)[(t, p, e)])
     dense = (writer.dp, writer.cp) == (0, 0)
     out, used = {}, set()
     for path, keys in chunk_keys(cfg, config, p, v, e).items():
@@ -170,11 +170,10 @@ def _sub_specs(cfg, config, p, e, v, n_subs: int, where: str) -> list[list]:
     return [[s for s in specs if s.expert is None], [s for s in specs if s.expert is not None]]
 
 
-def _adam_refs(cfg, config, sharding, t, p, e, optim, model_refs: dict, where: str) -> dict:
-    """A non-distributed Adam's refs in the file of (``t``, ``p``, ``e``): dense state from dense
-    dp x cp rank 0's files, expert state keyed by the writer's expert-tp rank."""
+def _adam_refs(cfg, config, sharding, t, p, e, optim, model_refs: dict, where: str, writer) -> dict:
+    """A non-distributed Adam's refs in the file of (``t``, ``p``, ``e``) written by ``writer``: dense
+    state from dense dp x cp rank 0's files, expert state keyed by the writer's expert-tp rank."""
     subs = _subs(optim, where)
-    writer = config.coord(legacy_writers(config)[(t, p, e)])
     out = {}
     for sub, specs in zip(subs, _sub_specs(cfg, config, p, e, 0, len(subs), where)):
         if (writer.dp, writer.cp) != (0, 0):
@@ -357,6 +356,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     kind = _optimizer_kind(first, bool(distrib), iter_dir)
     tree = megatron_tree(cfg, optimizer=kind is not None)
     sharding = Sharding(tree, config)
+    writers = {k: config.coord(r) for k, r in legacy_writers(config).items()}  # who wrote each file
     refs: dict = {}
     schemes: set = set()
     buffer_dtypes = None
@@ -367,7 +367,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             if not isinstance(state.get(key), dict):
                 raise ManifestError(f"{where}: no {key} state dict")
             model.update(_model_refs(cfg, config, sharding, t, p, e, v, _flatten(dict(state[key])),
-                                     f"{where} [{key}]", schemes))
+                                     f"{where} [{key}]", schemes, writers[(t, p, e)]))
         if len(schemes) > 1:
             raise ManifestError(f"{where}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                                 "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
@@ -376,11 +376,11 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             if config.vpp > 1:
                 raise ManifestError(f"{where}: a non-distributed optimizer with vpp={config.vpp} is not "
                                     "supported (use the distributed optimizer)")
-            refs.update(_adam_refs(cfg, config, sharding, t, p, e, state["optimizer"], model, where))
+            refs.update(_adam_refs(cfg, config, sharding, t, p, e, state["optimizer"], model, where,
+                                   writers[(t, p, e)]))
         elif kind == "distrib_optim":
             found, dtypes = distrib_optim_refs(cfg, config, sharding, t, p, e, opt_files[(t, p, e)],
-                                               opt_paths[(t, p, e)],
-                                               config.coord(legacy_writers(config)[(t, p, e)]))
+                                               opt_paths[(t, p, e)], writers[(t, p, e)])
             if buffer_dtypes not in (None, list(dtypes)):
                 raise ManifestError(f"{opt_paths[(t, p, e)]}: buffer dtypes {dtypes} differ from another "
                                     f"rank's {buffer_dtypes}")
@@ -389,7 +389,6 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if len(schemes) > 1:
         raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                             "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
-    writers = {k: config.coord(r) for k, r in legacy_writers(config).items()}
     files = {k[:2]: s for k, s in files.items() if (writers[k].dp, writers[k].cp) == (0, 0)}  # dense dp x cp 0
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
