@@ -32,9 +32,9 @@ __all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", 
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_modules", "extra_state_objects",
            "known_extra_state", "dist_key"]
 
-FLAT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+FLAT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                       r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
-OBJECT_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
+OBJECT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
 EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)(?:\.(\d+))?_(\d+)(?:\.(\d+))?$")
 """``<module>._extra_state/shard_<layer>[.<expert>]_<L>[.<E>]`` (experts stacked on a second axis)."""
 RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
@@ -51,9 +51,10 @@ def is_dist(root: str) -> bool:
         return False
 
 
-def flat_key(m: int, bucket: int, state: str, dtypes) -> str:
-    """The DCP key of one ``dp_reshardable`` buffer: model-parallel rank ``m``, ``bucket``, ``state``."""
-    return (f"optimizer.distributed.dp_group_idx_{m}.gbuf_idx_0.dtype_({dtypes[0]}, {dtypes[1]})."
+def flat_key(m: int, bucket: int, state: str, dtypes, gbuf: int = 0) -> str:
+    """The DCP key of one ``dp_reshardable`` bucket: ``dp_group_idx`` ``m``, buffer ``gbuf``, ``bucket``,
+    ``state`` (without a ``chained_<i>.`` prefix; see :mod:`tenplex_megatron.dcp_buffers`)."""
+    return (f"optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_({dtypes[0]}, {dtypes[1]})."
             f"bucket_idx_{bucket}.{state}")
 
 
@@ -91,6 +92,11 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
                      ) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
     """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
 
+    Optimizer state is ``optimizer.state.<state>.<key>``: Adam's moments and fp32 main
+    params (``optim="fully_reshardable"``), or the moments alone for a non-distributed
+    optimizer over fp32 params (``optim="adam"``, megatron-core ``FP32Optimizer``: the
+    main params are the model's).
+
     Shapes are padded at ``sharding.config``'s tp, with the leading axes of
     :func:`dist_key`: layers stacked ``[num_layers, ...]`` (one key holds every
     layer, so the returned path and layer are layer 0's) or one key per layer
@@ -100,8 +106,8 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
     the path returned is expert 0's).
     """
     out: dict = {}
-    prefixes = [("", None)] + ([(f"optimizer.state.{s}.", s) for s in OPTIMIZER_STATES]
-                               if optim == "fully_reshardable" else [])
+    states = {"fully_reshardable": OPTIMIZER_STATES, "adam": ("exp_avg", "exp_avg_sq")}.get(optim or "", ())
+    prefixes = [("", None)] + [(f"optimizer.state.{s}.", s) for s in states]
     for spec in param_specs(cfg):
         if spec.expert not in (None, 0) or (spec.layer not in (None, 0) and not cfg.dist_per_layer):
             continue

@@ -28,14 +28,14 @@ from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab
+from tenplex_megatron.dcp_buffers import chained, expected_flat
 from tenplex_megatron.dcp_keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
-                                       expected_tensors, flat_key, is_dist, known_extra_state,
-                                       object_key)
+                                       expected_tensors, is_dist, known_extra_state, object_key)
 from tenplex_megatron.dcp_safe import SafeReader, read_objects
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
-from tenplex_megatron.layouts import OPTIMIZER_STATES, megatron_tree
+from tenplex_megatron.layouts import megatron_tree
 from tenplex_megatron.legacy_grid import parallel_config
 from tenplex_megatron.safe_load import safe_load
 
@@ -87,11 +87,22 @@ def _chained(optimizer: dict, where: str) -> tuple[dict, list | None]:
     dense, expert = optimizer[0], optimizer[1]
     if not isinstance(dense, dict) or not isinstance(expert, dict):
         raise ManifestError(f"{where}/common.pt: chained optimizer entries are not dicts")
-    return dense, (expert.get("optimizer") or {}).get("param_groups", [])
+    inner = expert.get("optimizer") if isinstance(expert.get("optimizer"), dict) else expert
+    return dense, inner.get("param_groups", [])
 
 
-def _optim_type(common: dict, keys) -> str | None:
-    kind = (common.get("optimizer") or {}).get("param_state_sharding_type") \
+def _optim_type(common: dict, keys, where: str = "") -> str | None:
+    """``"fully_reshardable"``/``"dp_reshardable"`` (distributed optimizer), ``"adam"`` (a
+    non-distributed one: ``{"state": {"common_step"}, "param_groups"}``, megatron-core
+    ``FP32Optimizer.sharded_state_dict``) or None."""
+    optimizer = common.get("optimizer") or {}
+    if "fp32_from_fp16_params" in optimizer:
+        raise ManifestError(f"{where}/common.pt: a non-distributed optimizer with bf16/fp16 params "
+                            "(fp32_from_fp16_params): tenplex reads its torch_dist state only with fp32 "
+                            "params; save legacy")
+    if "state" in optimizer or "param_groups" in optimizer:
+        return "adam"
+    kind = optimizer.get("param_state_sharding_type") \
         or (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     if kind is None and any(k.startswith("optimizer.state.") for k in keys):
         kind = "fully_reshardable"
@@ -133,7 +144,7 @@ def _grid(cfg, args, md, optim, where) -> tuple[int, int]:
 
 def _buffer_grid(cfg, md, where) -> tuple[int, int]:
     sizes = {(int(m.group(1)), int(m.group(5))): v.size[0] for k, v in md.state_dict_metadata.items()
-             if (m := FLAT_KEY.match(k)) and m.group(6) == "param"}
+             if (m := FLAT_KEY.match(k)) and m.group(6) == "param" and not k.startswith("chained_1.")}
     groups = 1 + max((g for g, _ in sizes), default=0)
     matches = []
     for tp in (t for t in range(1, groups + 1) if groups % t == 0):
@@ -166,14 +177,12 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | No
                                     f"{item.properties.dtype}; the model config gives {list(shape)} "
                                     f"torch.{dtype} (tenplex never casts or reshapes on read)")
         elif isinstance(item, TensorStorageMetadata) and kind == "flat" and optim == "dp_reshardable":
-            m, g, pd, gd, b, state = FLAT_KEY.match(key).groups()
-            dtypes = dtypes or (pd, gd)
-            layout = buffer_layout(cfg, config, int(m) // config.tp, 1) if int(m) < config.world_size else []
-            if int(g) or (pd, gd) != dtypes or int(b) >= len(layout) or state not in OPTIMIZER_STATES \
-                    or tuple(item.size) != (layout[int(b)][1],) or item.properties.dtype != FLAT_DTYPE:
+            dtypes = dtypes or FLAT_KEY.match(key).group(3, 4)
+            numel = expected_flat(cfg, config, dtypes).get(key)
+            if numel is None or tuple(item.size) != (numel,) or item.properties.dtype != FLAT_DTYPE:
                 raise ManifestError(f"{where}: optimizer buffer {key} ({list(item.size)} "
                                     f"{item.properties.dtype}) does not fit the model's buffer layout at "
-                                    f"tp={config.tp}, pp={config.pp}")
+                                    f"{config} (megatron-core's distributed optimizers)")
             found_flat.add(key)
         elif isinstance(item, BytesStorageMetadata) and kind in ("extra_state", "rng", "dp_object"):
             _check_object(key, kind, cfg, config, where)
@@ -183,10 +192,7 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | No
     missing = sorted(set(expected) - set(md.state_dict_metadata))
     if optim == "dp_reshardable":
         dtypes = dtypes or ("torch.float32", "torch.float32")
-        missing += sorted({flat_key(t + config.tp * p, b, s, dtypes) for p in range(config.pp)
-                           for t in range(config.tp)
-                           for b in range(len(buffer_layout(cfg, config, p, 1)))
-                           for s in OPTIMIZER_STATES} - found_flat)
+        missing += sorted(set(expected_flat(cfg, config, dtypes)) - found_flat)
     if missing:
         raise ManifestError(f"{where}: tensor {missing[0]} is missing"
                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
@@ -207,6 +213,35 @@ def _check_object(key, kind, cfg, config, where) -> None:
     if not ok:
         raise ManifestError(f"{where}: object {key} does not fit the model (num_layers="
                             f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
+
+
+def _common_step(optimizer: dict, root: str) -> float | None:
+    """A non-distributed optimizer's shared Adam step (``state.common_step``; absent before the first step)."""
+    state = optimizer.get("state") or {}
+    if not isinstance(state, dict) or set(state) - {"common_step"}:
+        found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ManifestError(f"{root}/common.pt: optimizer state holds {found}; expected only common_step "
+                            "(megatron-core keeps per-parameter state in the sharded tensors)")
+    step = state.get("common_step")
+    if step is None:
+        return None
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if not isinstance(step, (int, float)) or isinstance(step, bool):
+        raise ManifestError(f"{root}/common.pt: optimizer common_step is {type(step).__name__}; expected a number")
+    return float(step)
+
+
+def _dp_groups(cfg, config, root, md) -> tuple[list, list | None]:
+    """The dense and expert param groups of a ``dp_reshardable`` checkpoint: in each sub-optimizer's
+    ``optimizer`` object of ``dp_group_idx`` 0 (the prefixes are :mod:`tenplex_megatron.dcp_buffers`')."""
+    out = []
+    for prefix in ("chained_0.", "chained_1.") if chained(cfg, config) else ("",):
+        key = prefix + object_key(0, "optimizer")
+        obj = read_objects(root, md, key).get(key) if key in md.state_dict_metadata else None
+        first = obj[0] if isinstance(obj, list) and obj else {}
+        out.append(first.get("param_groups", []) if isinstance(first, dict) else [])
+    return out[0], (out[1] if len(out) > 1 else None)
 
 
 def rng_coords(md) -> dict[str, str]:
@@ -252,26 +287,28 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     cfg = MegatronConfig.from_args(args, model_config)
     md = SafeReader(root).read_metadata()
     optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
-    optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata)
+    optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata, root)
     tp, pp = _grid(cfg, args, md, optim, root)
     config = parallel_config(args, tp, pp)
-    if cfg.num_moe_experts and config.ep > 1 and optim == "dp_reshardable":
-        raise ManifestError(f"{root}: dp_reshardable optimizer state with ep={config.ep} (chained_0/1 "
-                            "buffers) is not supported; save with fully_reshardable")
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
     check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
     dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
-    unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"})
+    unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
+                     - ({"state", "param_groups"} if optim == "adam" else set()))
     if unknown:
         raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
     groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
+    step = None
+    if optim == "adam":
+        if cfg.params_dtype != "float32":
+            raise ManifestError(f"{root}: a non-distributed optimizer over {cfg.params_dtype} params without "
+                                "fp32_from_fp16_params; megatron-core keeps fp32 main params for them")
+        groups, step = optimizer.get("param_groups") or [], _common_step(optimizer, root)
     if optim == "dp_reshardable":
-        key = object_key(0, "optimizer")
-        obj = read_objects(root, md, key).get(key) if key in md.state_dict_metadata else None
-        groups = (obj[0] if isinstance(obj, list) and obj else {}).get("param_groups", [])
+        groups, expert_groups = _dp_groups(cfg, config, root, md)
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
     values = {
         "megatron/iteration": common.get("iteration", 0),
@@ -279,7 +316,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),
         "megatron/optimizer": None if optim is None else
-        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": None,
+        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": step,
          "grad_scaler": to_jsonable(optimizer.get("grad_scaler"), "grad_scaler"),
          **({"expert_param_groups": to_jsonable(expert_groups, "expert param_groups")} if expert_groups else {})},
         "megatron/num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far"),

@@ -27,10 +27,10 @@ from tenplex.ptree.sharding import Piece
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import torch_dtype
 
-from tenplex_megatron.dcp_keys import EXTRA_KEY, dist_key, flat_key, object_key
+from tenplex_megatron.dcp_buffers import flat_index, optimizer_buffers
+from tenplex_megatron.dcp_keys import EXTRA_KEY, dist_key
 from tenplex_megatron.dcp_read import DcpRecord, FoundDist, describe_dist, rng_coords
 from tenplex_megatron.dcp_safe import read_objects
-from tenplex_megatron.flatbuf import buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
 from tenplex_megatron.layouts import spec_of
 from tenplex_megatron.ptfile import TensorRef, locate_tensor, read_runs
@@ -74,7 +74,8 @@ class DistSource(MegatronSource):
             spec = spec_of(self.desc.cfg, model)
             if self.optim == "dp_reshardable":
                 return self._flat_record(spec, state, coord, dtype)
-            prefix = f"optimizer.state.{state}."
+            # a non-distributed optimizer over fp32 params: the main params are the model's
+            prefix = "" if (self.optim, state) == ("adam", "param") else f"optimizer.state.{state}."
         else:
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)
@@ -82,16 +83,14 @@ class DistSource(MegatronSource):
         return DcpRecord(prefix + key, lead, held.pieces, held.shape, dtype)
 
     def _flat_record(self, spec, state, coord, dtype) -> DcpRecord:
-        config = self.config
-        for b, (entries, _, _) in enumerate(buffer_layout(self.desc.cfg, config, coord.pp, 1)):
-            for s, start, numel in entries:
-                if s.path == spec.path:
-                    key = flat_key(coord.tp + config.tp * coord.pp, b, state,
-                                   self.meta["megatron"]["buffer_dtypes"])
-                    shape = self.sharding.tp_local(spec.leaf, coord.tp)[0]
-                    piece = Piece(Box((start,), (numel,)), 0, (numel,), Box((0,), (numel,)))
-                    return DcpRecord(key, (), (piece,), shape, dtype)
-        raise ManifestError(f"{self.root}: {spec.path} is in no optimizer buffer of stage {coord.pp}")
+        found = flat_index(self.desc.cfg, self.config, spec.path, coord)
+        if found is None:
+            raise ManifestError(f"{self.root}: {spec.path} is in no optimizer buffer of the rank at {coord}")
+        buf, b, start, numel = found
+        key = buf.key(b, state, self.meta["megatron"]["buffer_dtypes"])
+        shape = self.sharding.tp_local(spec.leaf, buf.split)[0]
+        piece = Piece(Box((start,), (numel,)), 0, (numel,), Box((0,), (numel,)))
+        return DcpRecord(key, (), (piece,), shape, dtype)
 
     def copies(self, path: str, tp_rank: int) -> dict:
         if not (path.startswith("optimizer/") and self.optim == "dp_reshardable"):
@@ -198,23 +197,28 @@ class DistSource(MegatronSource):
         if self.optim != "dp_reshardable":
             return
         cfg, config = self.desc.cfg, self.config
-        for p in range(config.pp):
-            sizes = [n for _, n, _ in buffer_layout(cfg, config, p, 1)]
-            for t in range(config.tp):
-                key = object_key(t + config.tp * p, "per_bucket_numel_unpadded")
-                got = read_objects(self.root, self.md, key).get(key)
-                found = _bucket_sizes(got)
-                if found != sizes:
-                    raise ManifestError(f"{self.root}: {key} records buckets {found}; the model's "
-                                        f"single-bucket layout has {sizes} (bucketed buffers are not "
-                                        "supported)")
+        want: dict = {}
+        for buf in optimizer_buffers(cfg, config):
+            want.setdefault(buf.object("per_bucket_numel_unpadded"), []).append(
+                [n for _, n, _ in buf.layout(cfg, config)])
+        for key, sizes in want.items():
+            got = read_objects(self.root, self.md, key).get(key)
+            found = _bucket_sizes(got)
+            if found != sizes:
+                raise ManifestError(f"{self.root}: {key} records buckets {found}; the model's "
+                                    f"single-bucket layout has {sizes} per buffer (bucketed buffers are "
+                                    "not supported)")
 
 
 def _bucket_sizes(obj: Any) -> list | None:
+    """``[[bucket numel, ...] per buffer]`` of a stored ``[[{(param_dtype, grad_dtype): [...]}, ...]]``."""
     try:
-        (per_dtype,) = obj[0]
-        (sizes,) = per_dtype.values()
-        return [int(n) for n in sizes]
+        (per_buffer,) = obj
+        out = []
+        for per_dtype in per_buffer:
+            (sizes,) = per_dtype.values()
+            out.append([int(n) for n in sizes])
+        return out
     except (TypeError, ValueError, IndexError, AttributeError, KeyError):
         return None
 

@@ -14,6 +14,7 @@ the planner instead (:func:`reshard_dist` returns None).
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import numpy as np
@@ -120,8 +121,14 @@ def _common(source: DistSource, values: TargetValues) -> dict:
     optimizer = common.get("optimizer")
     if values.cfg.num_moe_experts and isinstance(optimizer, dict) and optimizer:
         dense = optimizer[0] if set(optimizer) == {0, 1} else optimizer
-        common["optimizer"] = dense if values.config.ep == 1 else {
-            0: dense, 1: {**dense, "optimizer": {"param_groups": values.expert_param_groups()}}}
+        groups = values.expert_param_groups()  # a non-distributed optimizer keeps its groups at the top
+        expert = copy.deepcopy(dense)  # nothing shared: torch.save keeps shared objects shared, and
+        # dist_checkpointing.load merges loaded state into them ("Duplicate non-dict ... values")
+        if "param_groups" in dense:
+            expert["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        else:
+            expert["optimizer"] = {"param_groups": groups}
+        common["optimizer"] = dense if values.config.ep == 1 else {0: dense, 1: expert}
     return common
 
 

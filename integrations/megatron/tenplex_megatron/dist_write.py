@@ -7,9 +7,13 @@ DCP chunk of its global key (layers as chunks ``(layer, ...)`` of the
 stacked tensor, as megatron-core saves them), then dropped. Replicas are
 written once (by the first rank that holds them), as megatron-core
 deduplicates by ``replica_id``. Optimizer state is written
-``fully_reshardable`` (model space), or ``dp_reshardable`` flat buffers
-when the source used them. The directory is written under a temporary name
-and renamed into place; ``megatron.core.dist_checkpointing.load`` reads it.
+``fully_reshardable`` (model space), as the moments of a non-distributed
+optimizer (``adam``: ``FP32Optimizer``, whose main params are the model's),
+or ``dp_reshardable`` flat buffers when the source used them
+(``chained_0.``/``chained_1.`` dense and expert optimizers, one buffer per
+model chunk: :mod:`tenplex_megatron.dcp_buffers`). The directory is written
+under a temporary name and renamed into place;
+``megatron.core.dist_checkpointing.load`` reads it.
 """
 
 from __future__ import annotations
@@ -21,15 +25,16 @@ import uuid
 
 import torch
 
-from tenplex.errors import AlreadyExistsError
+from tenplex.errors import AlreadyExistsError, ConfigError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import piece_view
 
 from tenplex_megatron.common import TargetValues
 from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.dcp_keys import dist_key, extra_state_objects, flat_key, object_key, rng_key
+from tenplex_megatron.dcp_buffers import chained, optimizer_buffers
+from tenplex_megatron.dcp_keys import dist_key, extra_state_objects, rng_key
 from tenplex_megatron.dcp_write import DcpWriter
-from tenplex_megatron.flatbuf import buffer_dtypes, buffer_layout, dtype_key, flat_buffers
+from tenplex_megatron.flatbuf import buffer_dtypes, dtype_key, flat_buffers
 from tenplex_megatron.layouts import OPTIMIZER_STATES, spec_of
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
@@ -67,7 +72,7 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
     common: dict = {"content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
                                          **(content or {})}}
     common["content_metadata"].pop("distrib_optim_sharding_type", None)
-    if optim:
+    if optim in ("fully_reshardable", "dp_reshardable"):
         common["content_metadata"]["distrib_optim_sharding_type"] = optim
     common["iteration"] = values.iteration
     if values.scheduler is not None:
@@ -79,8 +84,15 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
             common["optimizer"] = {0: common["optimizer"],
                                    1: {**common["optimizer"],
                                        "optimizer": {"param_groups": values.expert_param_groups()}}}
+    elif optim == "adam":
+        common["optimizer"] = _adam_common(values, values.param_groups())
+        if chained(values.cfg, values.config):
+            common["optimizer"] = {0: common["optimizer"], 1: _adam_common(values, values.expert_param_groups())}
     elif optim == "dp_reshardable":
         common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", **values.grad_scaler()}
+        if chained(values.cfg, values.config):  # ChainedOptimizer: {0: dense, 1: expert}
+            common["optimizer"] = {0: common["optimizer"], 1: {"param_state_sharding_type": "dp_reshardable",
+                                                               **values.grad_scaler()}}
     if values.values.get("megatron/args"):
         common["args"] = values.args
         common["checkpoint_version"] = values.checkpoint_version
@@ -88,6 +100,14 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
         common["num_floating_point_operations_so_far"] = values.flops
     common.update(values.extra)
     return common
+
+
+def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
+    """A non-distributed optimizer's ``common.pt`` entry (megatron-core ``FP32Optimizer.sharded_state_dict``):
+    its groups without ``params`` (rebuilt at load) and the shared Adam step."""
+    step = values.step()
+    return {"state": {} if step is None else {"common_step": torch.tensor(float(step))},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
 
 
 def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
@@ -110,14 +130,13 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
     """
     cfg, meta = megatron_meta(source)
     has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
-    optim = None if not has_optim else (
-        "dp_reshardable" if meta.get("optimizer") == "dp_reshardable" else "fully_reshardable")
+    optim = None if not has_optim else meta.get("optimizer") if meta.get("optimizer") in (
+        "dp_reshardable", "adam") else "fully_reshardable"
+    if optim == "adam" and cfg.params_dtype != "float32":
+        raise ConfigError(f"a non-distributed optimizer over {cfg.params_dtype} params: tenplex writes its "
+                          "torch_dist state only for fp32 params (no fp32_from_fp16_params); write legacy")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
-        if optim == "dp_reshardable" and (to.vpp > 1 or (cfg.num_moe_experts and to.ep > 1)):
-            optim = "fully_reshardable"  # tenplex writes dp_reshardable buffers for one dense chunk only
-            values.notes.append(f"optimizer: written fully_reshardable (model space): tenplex writes "
-                                f"dp_reshardable buffers only without vpp and expert buffers ({to})")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
@@ -133,8 +152,8 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                 writer.open(f"__{rank}_0.distcp")
                 files += 1
                 _write_tensors(build, cfg, writer, rank, optim)
-                if dense and optim == "dp_reshardable":
-                    _write_buffers(build, cfg, writer, c.tp, c.pp, rank, dtypes, values)
+                if optim == "dp_reshardable":
+                    _write_buffers(build, cfg, writer, c, rank, dtypes, values)
                 if dense and c.tp == 0 and c.ep == 0:
                     _write_extra_states(cfg, to, writer, c.pp)
                 if dense and rng_states:
@@ -159,7 +178,9 @@ def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, tuple[int, ...], tupl
 
 def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
     sharding = build.runner.D
-    prefixes = ("model/", "optimizer/") if optim == "fully_reshardable" else ("model/",)
+    # a non-distributed optimizer's main params are the fp32 model params: only its moments are stored
+    prefixes = {"fully_reshardable": ("model/", "optimizer/"),
+                "adam": ("model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/")}.get(optim, ("model/",))
     paths = [q for q in build.paths(rank) if q.startswith(prefixes)
              and any(c.ranks[0] == rank for c in sharding.classes(q))]
     coord = build.to.coord(rank)
@@ -173,21 +194,32 @@ def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
         del local
 
 
-def _write_buffers(build, cfg, writer, t, p, rank, dtypes, values) -> None:
+def _write_buffers(build, cfg, writer, c, rank, dtypes, values) -> None:
+    """The ``dp_reshardable`` buffers that rank ``rank`` (at ``c``) writes: its dense ones when it is
+    dp x cp rank 0, its expert ones when it is expert-dp rank 0 (each gathered over its group, unpadded)."""
     to = build.to
-    m = t + to.tp * p
-    layout = buffer_layout(cfg, to, p, to.dp)
-    flats, buckets = flat_buffers(cfg, to, p, lambda jobs: build.fill(rank, jobs))
-    for b, (offset, numel) in enumerate(buckets):
-        for state in OPTIMIZER_STATES:
-            writer.tensor(flat_key(m, b, state, dtypes), (numel,), (0,), flats[state][offset:offset + numel])
-    del flats
+    mine = [buf for buf in optimizer_buffers(cfg, to)
+            if (buf.expert and c.edp == 0 and (buf.split, buf.pp, buf.ep) == (c.etp, c.pp, c.ep))
+            or (not buf.expert and (c.dp, c.cp) == (0, 0) and (buf.split, buf.pp) == (c.tp, c.pp))]
     key = dtype_key(dtypes)
-    objects = {"optimizer": {"param_groups": values.param_groups()},
-               "per_bucket_numel": [{key: [padded for _, _, padded in layout]}],
-               "per_bucket_numel_unpadded": [{key: [n for _, n, _ in layout]}]}
-    for name, data in objects.items():
-        writer.object(object_key(m, name), [data])
+    groups: dict = {}
+    for buf in mine:
+        flats, buckets = flat_buffers(cfg, to, buf.pp, lambda jobs: build.fill(rank, jobs), buf.chunk,
+                                      buf.expert, buf.ep)
+        for b, (offset, numel) in enumerate(buckets):
+            for state in OPTIMIZER_STATES:
+                writer.tensor(buf.key(b, state, dtypes), (numel,), (0,), flats[state][offset:offset + numel])
+        del flats
+        layout = buf.layout(cfg, to, padded=True)
+        sizes = groups.setdefault((buf.prefix, buf.group_idx), (buf, [], []))
+        sizes[1].append({key: [padded for _, _, padded in layout]})
+        sizes[2].append({key: [n for _, n, _ in layout]})
+    for buf, padded, unpadded in groups.values():
+        param_groups = values.expert_param_groups() if buf.expert else values.param_groups()
+        objects = {"optimizer": {"param_groups": param_groups}, "per_bucket_numel": padded,
+                   "per_bucket_numel_unpadded": unpadded}
+        for name, data in objects.items():
+            writer.object(buf.object(name), [data])
 
 
 def _write_extra_states(cfg, to, writer, p) -> None:

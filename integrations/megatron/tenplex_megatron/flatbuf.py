@@ -110,14 +110,18 @@ def dtype_key(dtypes) -> tuple[torch.dtype, torch.dtype]:
 
 
 def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sharding, t: int, p: int,
-                       e: int, obj: Any, where: str) -> tuple[dict, tuple[str, str]]:
+                       e: int, obj: Any, where: str, writer: Any = None
+                       ) -> tuple[dict, tuple[str, str]]:
     """Each optimizer leaf's bytes in a ``distrib_optim.pt`` (loaded with refs) of rank (``t``, ``p``, ``e``).
 
     With experts at ep > 1 the file holds ``[dense | None, expert | None]``
     (megatron-core ``ChainedOptimizer.save_parameter_state``): the dense state
     only in ep rank 0's directories, the expert state (this ep rank's experts)
-    in every one. Each state is ``{"buckets_coalesced": True, chunk: {(param_dtype,
-    grad_dtype): {"param", "exp_avg", "exp_avg_sq": flat float32, "numel_unpadded"}}}``
+    in every one (with etp != tp: the dense state where the writer is dense dp x cp
+    rank 0, the expert state at the writer's expert-tp rank; ``writer`` is its
+    ``Coord``, by default that of tp rank ``t`` with etp == tp). Each state is
+    ``{"buckets_coalesced": True, chunk: {(param_dtype, grad_dtype): {"param", "exp_avg",
+    "exp_avg_sq": flat float32, "numel_unpadded"}}}``
     with one entry per virtual pipeline chunk.
 
     Returns:
@@ -133,14 +137,16 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
         if not isinstance(obj, list) or len(obj) != 2:
             raise ManifestError(f"{where}: expected [dense | None, expert | None] (ep={config.ep}); "
                                 f"found {type(obj).__name__}")
-        if obj[1] is None or (e == 0 and obj[0] is None):
+        dense = e == 0 if writer is None else (writer.dp, writer.cp) == (0, 0)
+        if obj[1] is None or (dense and obj[0] is None):
             raise ManifestError(f"{where}: the {'expert' if obj[1] is None else 'dense'} optimizer state "
                                 "is missing")
-        parts = [(obj[1], True)] + ([(obj[0], False)] if e == 0 else [])
+        parts = [(obj[1], True)] + ([(obj[0], False)] if dense else [])
     out, dtypes = {}, None
     for state_obj, expert in parts:
+        split = writer.etp if expert and writer is not None else t
         for v in range(config.vpp):
-            found, dtypes = _chunk_refs(cfg, config, sharding, t, p, e, v, expert, state_obj, where)
+            found, dtypes = _chunk_refs(cfg, config, sharding, split, p, e, v, expert, state_obj, where)
             out.update(found)
     return out, dtypes  # type: ignore[return-value]
 

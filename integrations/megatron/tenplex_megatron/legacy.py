@@ -29,17 +29,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from tenplex.errors import ConfigError, ManifestError
-from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
 
-from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab, stage_layers
+from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import distrib_optim_refs
 from tenplex_megatron.jsonable import to_jsonable
 from tenplex_megatron.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
                                       rank_keys)  # rank_keys: re-exported
-from tenplex_megatron.legacy_grid import legacy_grid, rank_dir_name, rank_dirs
+from tenplex_megatron.legacy_grid import legacy_grid, legacy_writers, rank_dir_name, rank_dirs
 from tenplex_megatron.ptfile import TensorRef, load_refs
 from tenplex_megatron.safe_load import open_regular
 from tenplex_megatron.source import MegatronSource
@@ -95,27 +94,33 @@ def _check_ref(ref: Any, shape, dtype, what: str) -> TensorRef:
     return ref
 
 
-def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, schemes: set) -> dict:
+def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, schemes: set,
+                writer) -> dict:
     """Refs of chunk ``v``'s tensors in a rank file of (tp ``t``, pp ``p``, ep ``e``).
 
-    Dense tensors are taken from ep rank 0's files (the other ep ranks hold
-    replicas, checked for presence only); expert ``j`` of ep rank ``e`` is
-    global expert ``e * E / ep + j``. ``schemes`` collects the expert naming
-    schemes seen (``"sequential"`` or ``"grouped"``).
+    Dense tensors are taken from the files of dense dp x cp rank 0 (ep rank
+    0's, when etp == tp; the others hold replicas, checked for presence
+    only); expert ``j`` of ep rank ``e`` is global expert ``e * E / ep + j``,
+    split at the writer's expert-tp rank (keyed by it). ``schemes`` collects
+    the expert naming schemes seen (``"sequential"`` or ``"grouped"``);
+    ``writer`` is the ``Coord`` of the rank that wrote the file.
     """
+    dense = (writer.dp, writer.cp) == (0, 0)
     out, used = {}, set()
     for path, keys in chunk_keys(cfg, config, p, v, e).items():
         key = next((k for k in keys if k in model), None)
         if key is None:
             raise ManifestError(f"{where}: key {keys[0]} (leaf {path}) is missing")
         leaf = sharding.tree[path]
+        split = t
         if leaf.layout.expert is not None:
             schemes.add("sequential" if key == keys[0] else "grouped")
-        elif e > 0:
+            split = writer.etp
+        elif not dense:
             used.update(k for k in keys if k in model)
             continue
-        out[(path, t, p)] = _check_ref(model[key], sharding.tp_local(leaf, t)[0],
-                                       torch_dtype(leaf.dtype), f"{where}: {key}")
+        out[(path, split, p)] = _check_ref(model[key], sharding.tp_local(leaf, split)[0],
+                                           torch_dtype(leaf.dtype), f"{where}: {key}")
         used.update(k for k in keys if k in model)
     for key, value in model.items():
         if key in used:
@@ -164,15 +169,18 @@ def _sub_specs(cfg, config, p, e, v, n_subs: int, where: str) -> list[list]:
     return [[s for s in specs if s.expert is None], [s for s in specs if s.expert is not None]]
 
 
-def _adam_refs(cfg, config, sharding, t, p, e, optim, model_refs: dict, where: str) -> dict:
+def _adam_refs(cfg, config, sharding, t, p, e, optim, model_refs: dict, where: str, writer) -> dict:
+    """A non-distributed Adam's refs in the file of (``t``, ``p``, ``e``) written by ``writer``: dense
+    state from dense dp x cp rank 0's files, expert state keyed by the writer's expert-tp rank."""
     subs = _subs(optim, where)
     out = {}
     for sub, specs in zip(subs, _sub_specs(cfg, config, p, e, 0, len(subs), where)):
-        if e > 0:
+        if (writer.dp, writer.cp) != (0, 0):
             specs = [s for s in specs if s.expert is not None]
             if not specs:
                 continue
-        out.update(_adam_sub(sharding, t, p, sub, specs, model_refs, where))
+        split = writer.etp if specs and all(s.expert is not None for s in specs) else t
+        out.update(_adam_sub(sharding, split, p, sub, specs, model_refs, where))
     return out
 
 
@@ -347,6 +355,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     kind = _optimizer_kind(first, bool(distrib), iter_dir)
     tree = megatron_tree(cfg, optimizer=kind is not None)
     sharding = Sharding(tree, config)
+    writers = {k: config.coord(r) for k, r in legacy_writers(config).items()}  # who wrote each file
     refs: dict = {}
     schemes: set = set()
     buffer_dtypes = None
@@ -357,7 +366,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             if not isinstance(state.get(key), dict):
                 raise ManifestError(f"{where}: no {key} state dict")
             model.update(_model_refs(cfg, config, sharding, t, p, e, v, _flatten(dict(state[key])),
-                                     f"{where} [{key}]", schemes))
+                                     f"{where} [{key}]", schemes, writers[(t, p, e)]))
         if len(schemes) > 1:
             raise ManifestError(f"{where}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                                 "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
@@ -366,10 +375,11 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             if config.vpp > 1:
                 raise ManifestError(f"{where}: a non-distributed optimizer with vpp={config.vpp} is not "
                                     "supported (use the distributed optimizer)")
-            refs.update(_adam_refs(cfg, config, sharding, t, p, e, state["optimizer"], model, where))
+            refs.update(_adam_refs(cfg, config, sharding, t, p, e, state["optimizer"], model, where,
+                                   writers[(t, p, e)]))
         elif kind == "distrib_optim":
             found, dtypes = distrib_optim_refs(cfg, config, sharding, t, p, e, opt_files[(t, p, e)],
-                                               opt_paths[(t, p, e)])
+                                               opt_paths[(t, p, e)], writers[(t, p, e)])
             if buffer_dtypes not in (None, list(dtypes)):
                 raise ManifestError(f"{opt_paths[(t, p, e)]}: buffer dtypes {dtypes} differ from another "
                                     f"rank's {buffer_dtypes}")
@@ -378,7 +388,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if len(schemes) > 1:
         raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                             "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
-    files = {(t, p): s for (t, p, e), s in files.items() if e == 0}
+    files = {k[:2]: s for k, s in files.items() if (writers[k].dp, writers[k].cp) == (0, 0)}  # dense dp x cp 0
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
         "megatron/iteration": iteration,
@@ -407,7 +417,8 @@ class LegacySource(MegatronSource):
         self.count(found.bytes_read)
 
     def locate(self, path: str, coord) -> TensorRef:
-        ref = self.refs.get((path, coord.tp, coord.pp))
+        split = coord.etp if self.tree[path].layout.expert is not None else coord.tp
+        ref = self.refs.get((path, split, coord.pp))
         if ref is None:
             raise ManifestError(f"{self.where}: no stored tensor holds {path} at tp={coord.tp}, pp={coord.pp}")
         return ref

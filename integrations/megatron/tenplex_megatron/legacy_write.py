@@ -31,7 +31,7 @@ from tenplex_megatron.flatbuf import (FLAT_DTYPE, buffer_dtypes, distrib_optim_s
                                       flat_numel)
 from tenplex_megatron.layouts import OPTIMIZER_STATES, chunk_keys, extra_state_keys, optimizer_path, param_order
 from tenplex_megatron.legacy import TRACKER, iteration_dir_name
-from tenplex_megatron.legacy_grid import rank_dir_name
+from tenplex_megatron.legacy_grid import check_expert_files, legacy_writers, rank_dir_name
 from tenplex_megatron.ptsave import save_streamed
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
@@ -52,16 +52,6 @@ def legacy_optimizer(meta: dict, args) -> str | None:
     if kind == "distrib_optim" or (kind != "adam" and getattr(args, "use_distributed_optimizer", True)):
         return "distrib_optim"
     return "adam"
-
-
-def _writer_rank(to: ParallelConfig, t: int, p: int, e: int) -> int:
-    """The rank that writes directory (tp ``t``, pp ``p``, ep ``e``): its expert-dp rank is 0
-    (Megatron-LM ``save_checkpoint``)."""
-    for rank in range(to.world_size):
-        c = to.coord(rank)
-        if (c.tp, c.pp, c.ep, c.edp) == (t, p, e, 0):
-            return rank
-    raise ConfigError(f"{to}: no rank has tp={t}, pp={p}, ep={e} and expert-dp rank 0")
 
 
 def _experts(cfg: MegatronConfig, to: ParallelConfig) -> bool:
@@ -89,13 +79,13 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
     Raises:
         AlreadyExistsError: the iteration directory exists.
         ConfigError: ``to`` cannot hold the model or be written as Megatron-LM args, or
-            an MoE model with ``etp != tp`` (its legacy files collide).
+            an MoE model whose ``etp`` makes Megatron-LM's files collide or miss
+            shards (:func:`tenplex_megatron.legacy_grid.check_expert_files`).
         ManifestError: the source is not a Megatron model, or a bad source.
     """
     cfg, meta = megatron_meta(source)
-    if cfg.num_moe_experts and to.etp != to.tp:
-        raise ConfigError(f"{to}: etp={to.etp} differs from tp={to.tp}; Megatron-LM's legacy files of an "
-                          "MoE model then collide or lack dense shards: write torch_dist")
+    if cfg.num_moe_experts:
+        check_expert_files(to, root)
     names = expert_names or meta.get("expert_names") or "sequential"
     if names not in ("sequential", "grouped"):
         raise ConfigError(f"expert_names={names!r}: expected 'sequential' or 'grouped'")
@@ -118,18 +108,15 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         rng_states = values.rng_states()
         written, files = 0, 0
         try:
-            for p in range(to.pp):
-                for t in range(to.tp):
-                    for e in range(to.ep):
-                        rank = _writer_rank(to, t, p, e)
-                        d = os.path.join(tmp, rank_dir_name(t, p, to.pp, e, to.ep))
-                        os.makedirs(d)
-                        written += _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d)
-                        files += 1
-                        if optimizer == "distrib_optim":
-                            written += _distrib_optim(build, cfg, to, p, e, rank, dtypes,
-                                                      os.path.join(d, "distrib_optim.pt"))
-                            files += 1
+            for (t, p, e), rank in sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
+                d = os.path.join(tmp, rank_dir_name(t, p, to.pp, e, to.ep))
+                os.makedirs(d)
+                written += _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d)
+                files += 1
+                if optimizer == "distrib_optim":
+                    written += _distrib_optim(build, cfg, to, p, e, rank, dtypes,
+                                              os.path.join(d, "distrib_optim.pt"))
+                    files += 1
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -160,8 +147,9 @@ def _ahead(fns: list) -> Iterator[torch.Tensor]:
 
 
 def _distrib_optim(build, cfg, to, p, e, rank, dtypes, path: str) -> int:
-    """Write ``distrib_optim.pt`` of directory (``p``, ``e``): one state, or ``[dense | None, expert]``
-    at ep > 1 with the dense state in ep rank 0's directories only (``ChainedOptimizer``).
+    """Write ``distrib_optim.pt`` of directory (``p``, ``e``) written by ``rank``: one state, or
+    ``[dense | None, expert]`` at ep > 1 with the dense state only where ``rank`` is dense dp x cp
+    rank 0 (``ChainedOptimizer`` saves each sub-optimizer's state on its dp rank 0).
 
     Each flat state tensor is built while the previous one is written; the file's bytes."""
     placeholders, fns = [], []
@@ -180,7 +168,11 @@ def _distrib_optim(build, cfg, to, p, e, rank, dtypes, path: str) -> int:
             placeholders.extend(chunks[-1].values())
             fns.extend(lambda v=v, s=s: flat(v, expert, s) for s in OPTIMIZER_STATES)
         return distrib_optim_state(chunks, dtypes)
-    obj = state(False) if not _experts(cfg, to) else [state(False) if e == 0 else None, state(True)]
+    if not _experts(cfg, to):
+        obj = state(False)
+    else:
+        c = to.coord(rank)
+        obj = [state(False) if (c.dp, c.cp) == (0, 0) else None, state(True)]
     return save_streamed(obj, path, placeholders, _ahead(fns))
 
 

@@ -96,8 +96,8 @@ def test_impossible_expert_targets_are_refused_in_one_line(moe_sources, tmp_path
                                                          "(model/decoder/layers/0/mlp/experts/0/linear_fc1/weight)")
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "ep3").exists()
-    done = tenplex("reshard", str(source / "legacy"), str(tmp_path / "etp"), "--to", "dp=2,tp=2,ep=2,etp=1")
-    assert done.returncode == 1 and "etp=1 differs from tp=2" in done.stderr, done.stderr
+    done = tenplex("reshard", str(source / "legacy"), str(tmp_path / "etp"), "--to", "dp=4,tp=1,ep=2,etp=2")
+    assert done.returncode == 1 and "share mp_rank_00_000: their expert shards collide" in done.stderr, done.stderr
     assert not (tmp_path / "etp").exists()
 
 

@@ -12,7 +12,6 @@ match the static run within 1e-6.
 """
 
 import pytest
-import torch
 
 from mcore_helpers import logits, losses, tenplex
 from test_megatron_moe import FORMATS, run_moe
