@@ -142,3 +142,8 @@ def run_cli(argv: list[str], cwd=None, timeout: float = 240) -> subprocess.Compl
         return subprocess.CompletedProcess(["tenplex", *argv], "timeout", "", f"timed out after {timeout} s")
     return subprocess.CompletedProcess(["tenplex", *argv], status[0], out.getvalue() + fd_out[0],
                                        err.getvalue() + fd_err[0])
+
+
+def tenplex(*args: str) -> subprocess.CompletedProcess:
+    """``tenplex *args`` in this process (as :func:`mcore_helpers.tenplex` runs it in a subprocess)."""
+    return run_cli(list(args), timeout=300)

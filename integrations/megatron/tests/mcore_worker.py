@@ -22,7 +22,12 @@ Actions, in this order (each optional):
 4. ``--save legacy|dist --save-dir D``;
 5. ``--logits-out F``: forward pass on a fixed token batch; the last stage
    gathers logits over tp, trims vocab padding and writes F (``.safetensors``
-   or ``.pt``; key ``logits``, shape ``[batch, seq, vocab]``, fp32).
+   or ``.pt``; key ``logits``, shape ``[batch, seq, vocab]``, fp32);
+6. each ``--also-load FMT DIR FRESH LOGITS``, in order: the model (and
+   optimizer) is built again from the seed, its logits written to FRESH, DIR
+   loaded as ``--load FMT`` would load it, and the logits written to LOGITS
+   (one process group checks several checkpoints; each load starts from a
+   freshly built model, so nothing carries over from an earlier one).
 
 Timings are printed as ``TIME <phase> <seconds>`` lines by rank 0.
 """
@@ -83,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-dir", default=None)
     p.add_argument("--iteration", type=int, default=10)
     p.add_argument("--logits-out", default=None)
+    p.add_argument("--also-load", nargs=4, action="append", default=[],
+                   metavar=("FMT", "DIR", "FRESH", "LOGITS"),
+                   help="after the actions above: rebuild, write FRESH logits, load DIR, write LOGITS")
     # optimizer path
     p.add_argument("--optimizer", action="store_true", help="build DDP + Adam even with 0 steps")
     p.add_argument("--train-steps", type=int, default=0)
@@ -129,7 +137,6 @@ class Worker(CheckpointMixin):
             cpu_shim.apply()
 
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         self.a = a
         self.torch = torch
@@ -143,9 +150,7 @@ class Worker(CheckpointMixin):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
         )
-        random.seed(a.seed)
-        torch.manual_seed(a.seed)
-        model_parallel_cuda_manual_seed(a.seed)
+        self.reseed()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -155,6 +160,14 @@ class Worker(CheckpointMixin):
         self.dtype = torch.bfloat16 if a.bf16 else torch.float32
         log0(f"TIME init {time.time() - t:.2f} (since process start {time.time() - _T0:.2f})")
         self.build()
+
+    def reseed(self):
+        """Python's, torch's and megatron-core's tensor-parallel RNGs, from ``--seed``."""
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        random.seed(self.a.seed)
+        self.torch.manual_seed(self.a.seed)
+        model_parallel_cuda_manual_seed(self.a.seed)
 
     # ------------------------------------------------------------------ build
     def transformer_config(self):
@@ -408,6 +421,13 @@ def main(argv=None) -> int:
         w.save_dist(os.path.join(a.save_dir, "dist"))
     if a.logits_out:
         w.write_logits(a.logits_out)
+    for fmt, load_dir, fresh, logits_out in a.also_load:
+        assert fmt in ("legacy", "dist"), fmt
+        w.reseed()
+        w.build()
+        w.write_logits(fresh)
+        (w.load_legacy if fmt == "legacy" else w.load_dist)(load_dir)
+        w.write_logits(logits_out)
     log0(f"TIME total {time.time() - _T0:.2f}")
     w.dist.barrier()
     w.dist.destroy_process_group()

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mcore_helpers import losses, run_worker, tenplex
+from inprocess_cli import tenplex
+from mcore_helpers import losses, run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
