@@ -23,7 +23,10 @@ Actions, in this order (each optional):
 5. ``--logits-out F``: forward pass on a fixed token batch; the last stage
    gathers logits over tp, trims vocab padding and writes F (``.safetensors``
    or ``.pt``; key ``logits``, shape ``[batch, seq, vocab]``, fp32);
-6. each ``--also-load FMT DIR FRESH LOGITS``, in order: the model (and
+6. ``--train-after-save N``: N more steps (``LOSS`` lines go on from step
+   ``--train-steps``): the job that was not interrupted, for comparing with
+   one resumed from the checkpoint;
+7. each ``--also-load FMT DIR FRESH LOGITS``, in order: the model (and
    optimizer) is built again from the seed, its logits written to FRESH, DIR
    loaded as ``--load FMT`` would load it, and the logits written to LOGITS
    (one process group checks several checkpoints; each load starts from a
@@ -94,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # optimizer path
     p.add_argument("--optimizer", action="store_true", help="build DDP + Adam even with 0 steps")
     p.add_argument("--train-steps", type=int, default=0)
+    p.add_argument("--train-after-save", type=int, default=0, help="steps after saving (needs --train-steps)")
     p.add_argument("--dist-opt", action="store_true", help="use_distributed_optimizer")
     p.add_argument("--sharding-type", default="fully_reshardable",
                    choices=["fully_reshardable", "dp_reshardable", "fully_sharded_model_space"])
@@ -349,12 +353,12 @@ class Worker(CheckpointMixin):
             self.dist.send(h_in.grad.contiguous(), dst=prev_r)
         return result
 
-    def train(self):
+    def train(self, steps=None, first=0):
         from megatron.core.distributed import finalize_model_grads
 
         torch = self.torch
         losses = []
-        for step in range(self.a.train_steps):
+        for step in range(first, first + (self.a.train_steps if steps is None else steps)):
             t = time.time()
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -421,6 +425,9 @@ def main(argv=None) -> int:
         w.save_dist(os.path.join(a.save_dir, "dist"))
     if a.logits_out:
         w.write_logits(a.logits_out)
+    if a.train_after_save > 0:
+        assert a.train_steps > 0, "--train-after-save needs --train-steps (an optimizer)"
+        w.train(a.train_after_save, first=a.train_steps)
     for fmt, load_dir, fresh, logits_out in a.also_load:
         assert fmt in ("legacy", "dist"), fmt
         w.reseed()
