@@ -22,7 +22,15 @@ Actions, in this order (each optional):
 4. ``--save legacy|dist --save-dir D``;
 5. ``--logits-out F``: forward pass on a fixed token batch; the last stage
    gathers logits over tp, trims vocab padding and writes F (``.safetensors``
-   or ``.pt``; key ``logits``, shape ``[batch, seq, vocab]``, fp32).
+   or ``.pt``; key ``logits``, shape ``[batch, seq, vocab]``, fp32);
+6. ``--train-after-save N``: N more steps (``LOSS`` lines go on from step
+   ``--train-steps``): the job that was not interrupted, for comparing with
+   one resumed from the checkpoint;
+7. each ``--also-load FMT DIR FRESH LOGITS``, in order: the model (and
+   optimizer) is built again from the seed, its logits written to FRESH, DIR
+   loaded as ``--load FMT`` would load it, and the logits written to LOGITS
+   (one process group checks several checkpoints; each load starts from a
+   freshly built model, so nothing carries over from an earlier one).
 
 Timings are printed as ``TIME <phase> <seconds>`` lines by rank 0.
 """
@@ -83,9 +91,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-dir", default=None)
     p.add_argument("--iteration", type=int, default=10)
     p.add_argument("--logits-out", default=None)
+    p.add_argument("--also-load", nargs=4, action="append", default=[],
+                   metavar=("FMT", "DIR", "FRESH", "LOGITS"),
+                   help="after the actions above: rebuild, write FRESH logits, load DIR, write LOGITS")
     # optimizer path
     p.add_argument("--optimizer", action="store_true", help="build DDP + Adam even with 0 steps")
     p.add_argument("--train-steps", type=int, default=0)
+    p.add_argument("--train-after-save", type=int, default=0, help="steps after saving (needs --train-steps)")
     p.add_argument("--dist-opt", action="store_true", help="use_distributed_optimizer")
     p.add_argument("--sharding-type", default="fully_reshardable",
                    choices=["fully_reshardable", "dp_reshardable", "fully_sharded_model_space"])
@@ -129,7 +141,6 @@ class Worker(CheckpointMixin):
             cpu_shim.apply()
 
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         self.a = a
         self.torch = torch
@@ -143,9 +154,7 @@ class Worker(CheckpointMixin):
         ps.initialize_model_parallel(
             tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
         )
-        random.seed(a.seed)
-        torch.manual_seed(a.seed)
-        model_parallel_cuda_manual_seed(a.seed)
+        self.reseed()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -155,6 +164,14 @@ class Worker(CheckpointMixin):
         self.dtype = torch.bfloat16 if a.bf16 else torch.float32
         log0(f"TIME init {time.time() - t:.2f} (since process start {time.time() - _T0:.2f})")
         self.build()
+
+    def reseed(self):
+        """Python's, torch's and megatron-core's tensor-parallel RNGs, from ``--seed``."""
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        random.seed(self.a.seed)
+        self.torch.manual_seed(self.a.seed)
+        model_parallel_cuda_manual_seed(self.a.seed)
 
     # ------------------------------------------------------------------ build
     def transformer_config(self):
@@ -336,12 +353,12 @@ class Worker(CheckpointMixin):
             self.dist.send(h_in.grad.contiguous(), dst=prev_r)
         return result
 
-    def train(self):
+    def train(self, steps=None, first=0):
         from megatron.core.distributed import finalize_model_grads
 
         torch = self.torch
         losses = []
-        for step in range(self.a.train_steps):
+        for step in range(first, first + (self.a.train_steps if steps is None else steps)):
             t = time.time()
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -408,6 +425,16 @@ def main(argv=None) -> int:
         w.save_dist(os.path.join(a.save_dir, "dist"))
     if a.logits_out:
         w.write_logits(a.logits_out)
+    if a.train_after_save > 0:
+        assert a.train_steps > 0, "--train-after-save needs --train-steps (an optimizer)"
+        w.train(a.train_after_save, first=a.train_steps)
+    for fmt, load_dir, fresh, logits_out in a.also_load:
+        assert fmt in ("legacy", "dist"), fmt
+        w.reseed()
+        w.build()
+        w.write_logits(fresh)
+        (w.load_legacy if fmt == "legacy" else w.load_dist)(load_dir)
+        w.write_logits(logits_out)
     log0(f"TIME total {time.time() - _T0:.2f}")
     w.dist.barrier()
     w.dist.destroy_process_group()

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from inprocess_cli import tenplex
 from mcore_checkpoint import rng_digest
-from mcore_helpers import MODELS, logits, rng_lines, run_worker, tenplex
+from mcore_helpers import MODELS, logits, rng_lines, run_worker
 from tenplex_megatron.rng import derive
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

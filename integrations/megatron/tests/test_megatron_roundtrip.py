@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from mcore_helpers import MODELS, logits, run_worker, tenplex
+from inprocess_cli import tenplex
+from mcore_helpers import MODELS, logits, run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -12,21 +13,44 @@ CASES = [(m, f, a, b) for m in ("gqa", "mha") for f in ("legacy", "dist") for a,
          if not (m == "gqa" and b[0] == 4)]  # tp=4 cannot split 2 query groups: see the error test
 
 
+@pytest.fixture(scope="module")
+def resharded(sources, model_config_file, tmp_path_factory):
+    """``get(model, src, dst)``: ``{fmt: (CLI result, fresh logits, loaded logits)}`` for both formats.
+
+    Both of the source's formats are resharded to ``dst`` by the CLI; one megatron-core run at
+    ``dst`` then builds a fresh model from the seed, writes its logits, loads the output with
+    strict=True and writes the logits again, once per format (a run costs seconds of start-up,
+    the loads milliseconds; each load starts from a freshly built model).
+    """
+    cache: dict = {}
+
+    def get(model: str, src: tuple, dst: tuple) -> dict:
+        if (model, src, dst) not in cache:
+            source, d = sources(model, *src), tmp_path_factory.mktemp(f"{model}-{src}-{dst}".replace(" ", ""))
+            options = ["--model-config", str(model_config_file)] if model == "gqa" else []
+            runs, loads = {}, []
+            for fmt in ("legacy", "dist"):
+                done = tenplex(*options, "reshard", str(source / fmt), str(d / fmt), "--to",
+                               f"dp=1,tp={dst[0]},pp={dst[1]}")
+                runs[fmt] = (done, d / f"fresh-{fmt}.pt", d / f"got-{fmt}.pt")
+                if done.returncode == 0:
+                    loads += ["--also-load", fmt, str(d / fmt), *map(str, runs[fmt][1:])]
+            if loads:
+                run_worker(*dst, MODELS[model], *loads)
+            cache[(model, src, dst)] = runs
+        return cache[(model, src, dst)]
+    return get
+
+
 @pytest.mark.parametrize("model,fmt,src,dst", CASES, ids=lambda v: str(v).replace(" ", ""))
-def test_reshard_loads_in_megatron_with_the_same_logits(sources, model_config_file, tmp_path,
-                                                          model, fmt, src, dst):
-    source = sources(model, *src)
-    out = tmp_path / "out"
-    options = ["--model-config", str(model_config_file)] if model == "gqa" else []
-    done = tenplex(*options, "reshard", str(source / fmt), str(out), "--to", f"dp=1,tp={dst[0]},pp={dst[1]}")
+def test_reshard_loads_in_megatron_with_the_same_logits(sources, resharded, model, fmt, src, dst):
+    done, fresh_path, got_path = resharded(model, src, dst)[fmt]
     assert done.returncode == 0, done.stderr
     assert "resharded" in done.stdout
     if src[0] != dst[0]:  # vocab 100 pads to 112 at tp=1 and 128 at tp=2, 4
         assert ("padding:" in done.stderr) == ((src[0] == 1) != (dst[0] == 1))
     # megatron-core at the target loads it with strict=True, and its logits match
-    run_worker(*dst, MODELS[model], "--load", fmt, "--load-dir", str(out),
-               "--logits-out", str(tmp_path / "got.pt"), "--fresh-logits-out", str(tmp_path / "fresh.pt"))
-    ref, got, fresh = logits(source / "ref.pt"), logits(tmp_path / "got.pt"), logits(tmp_path / "fresh.pt")
+    ref, got, fresh = logits(sources(model, *src) / "ref.pt"), logits(got_path), logits(fresh_path)
     if src[0] == dst[0]:
         assert torch.equal(ref, got)
     else:  # fp32 reduction order changes with tp

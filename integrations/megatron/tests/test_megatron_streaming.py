@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mcore_helpers import run_worker, tenplex
+from inprocess_cli import tenplex
+from mcore_helpers import run_worker
 from tenplex.cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

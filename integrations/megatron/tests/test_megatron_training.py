@@ -2,7 +2,8 @@
 
 import pytest
 
-from mcore_helpers import losses, run_worker, tenplex
+from inprocess_cli import tenplex
+from mcore_helpers import losses, run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -12,13 +13,29 @@ FLAGS = ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --ffn 96 --swiglu --
          "--untie --vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --batch 4 --train-steps 2 --dist-opt")
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``get(sharding)``: ``(directory, losses)``: megatron-core at tp=2, pp=1 after two Adam steps,
+    saved as ``legacy/`` and as ``dist/`` with ``sharding``; then the same run takes two more steps
+    (the job that was not interrupted) and ``losses`` are theirs."""
+    cache: dict = {}
+
+    def get(sharding: str):
+        if sharding not in cache:
+            d = tmp_path_factory.mktemp(sharding)
+            got = losses(run_worker(2, 1, FLAGS, "--sharding-type", sharding, "--save", "both",
+                                    "--save-dir", str(d), "--train-after-save", "2"))
+            assert len(got) == 4, got
+            cache[sharding] = d, got[2:]
+        return cache[sharding]
+    return get
+
+
 @pytest.mark.parametrize("fmt,sharding", [("dist", "fully_reshardable"), ("dist", "dp_reshardable"),
                                           ("legacy", None)])
-def test_two_more_steps_match_after_reshard(tmp_path, fmt, sharding):
-    extra = ["--sharding-type", sharding] if sharding else []
-    run_worker(2, 1, FLAGS, *extra, "--save", fmt, "--save-dir", str(tmp_path / "src"))
-    expected = losses(run_worker(2, 1, FLAGS, "--load", fmt, "--load-dir", str(tmp_path / "src")))
-    done = tenplex("reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "dp=2,tp=1,pp=2")
+def test_two_more_steps_match_after_reshard(trained, tmp_path, fmt, sharding):
+    src, expected = trained(sharding or "fully_reshardable")  # the worker's default sharding type
+    done = tenplex("reshard", str(src / fmt), str(tmp_path / "dst"), "--to", "dp=2,tp=1,pp=2")
     assert done.returncode == 0, done.stderr
     got = losses(run_worker(1, 2, FLAGS, "--load", fmt, "--load-dir", str(tmp_path / "dst"), dp=2))
     assert len(expected) == len(got) == 2
@@ -30,14 +47,14 @@ def test_bf16_two_more_steps_match_after_reshard(tmp_path):
     """bf16 params with fp32 main params: megatron-core keys the distributed optimizer's buffers by
     (param_dtype, grad_dtype) = (bfloat16, float32). Both distrib_optim.pt and dp_reshardable are
     resharded to another pp (bf16 arithmetic is then the same) and loaded by megatron-core; the next
-    two losses equal the uninterrupted run's."""
+    two losses equal those of the run that saved it, going on uninterrupted."""
     from tenplex_megatron.dcp_read import describe_dist
     from tenplex_megatron.legacy import describe_legacy
 
     flags = FLAGS + " --bf16"
     src = tmp_path / "src"
-    run_worker(2, 1, flags, "--sharding-type", "dp_reshardable", "--save", "both", "--save-dir", str(src))
-    expected = losses(run_worker(2, 1, flags, "--load", "legacy", "--load-dir", str(src / "legacy")))
+    expected = losses(run_worker(2, 1, flags, "--sharding-type", "dp_reshardable", "--save", "both",
+                                 "--save-dir", str(src), "--train-after-save", "2"))[2:]
     assert describe_legacy(str(src / "legacy")).desc.meta["megatron"]["buffer_dtypes"] == \
         ["torch.bfloat16", "torch.float32"]
     for fmt in ("legacy", "dist"):
