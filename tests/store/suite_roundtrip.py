@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tenplex.api import load, load_global, reshard, save, verify
+from tenplex.api import load_global, reshard, save, verify
 from tenplex.ptree import ParallelConfig as P
 from tenplex.store import StoreReader
 from tenplex.store.execute import StorePlanRunner

@@ -1,7 +1,6 @@
 """Megatron state that must come through whole: QK norms, a QKV-only bias, RNG states (real megatron-core)."""
 
 import pytest
-import torch
 
 from inprocess_cli import tenplex
 from mcore_checkpoint import rng_digest
