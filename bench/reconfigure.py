@@ -270,7 +270,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
             dist.barrier()
             prof.enable()
             t0 = time.perf_counter()
-            out = tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
+            tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
             t1 = time.perf_counter() - t0
             prof.disable()
             prof.dump_stats(profile_path(profile, rank))

@@ -17,7 +17,6 @@ order), ``reconfig_s`` (wall time of all changes, export to import, on rank
 
 import argparse
 import json
-import time
 
 import torch
 import torch.distributed as dist
