@@ -7,31 +7,15 @@ within 1e-6 (a fresh model's do not), and 2 more steps match the static run
 within 1e-6 (training continuity).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from mcore_helpers import logits, losses, tenplex
+from mcore_helpers import logits, tenplex
+from moe_cases import FORMATS, check_resumed, run_moe, source_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-WORKER = os.path.join(os.path.dirname(__file__), "moe_worker.py")
-MOE = ("--layers 4 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
-       "--vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --experts 4 --topk 2 --batch 4 --dist-opt")
-
-
-def run_moe(n: int, flags: str, *extra: str, timeout: int = 300) -> str:
-    """Run moe_worker.py under torchrun with ``n`` processes; return its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", WORKER,
-           *flags.split(), *MOE.split(), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if done.returncode != 0:
-        raise AssertionError(f"worker failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return done.stdout
+DIST_OPT = " --dist-opt"
 
 
 # (name, source world, source flags, target world, target flags, target config)
@@ -48,23 +32,11 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def moe_sources(tmp_path_factory):
-    """``get(world, flags)``: a directory with ``legacy/``, ``dist/``, ``ref.pt`` and the static run's losses."""
-    cache: dict = {}
-    root = tmp_path_factory.mktemp("moe")
-
-    def get(n: int, flags: str):
-        if (n, flags) not in cache:
-            d = root / flags.replace(" ", "").replace("--", "_")
-            out = run_moe(n, flags, "--train-steps", "2", "--save", "both", "--save-dir", str(d),
-                          "--logits-out", str(d / "ref.pt"), "--more-steps", "2")
-            static = losses(out)
-            assert len(static) == 4, out
-            cache[(n, flags)] = (d, static)
-        return cache[(n, flags)]
-    return get
+    """``get(world, flags)``: a source trained and saved with the distributed optimizer (see moe_cases)."""
+    get = source_cache(tmp_path_factory.mktemp("moe"))
+    return lambda n, flags: get(n, flags + DIST_OPT)
 
 
-FORMATS = {"legacy": "megatron-legacy", "dist": "megatron-dist"}
 # every case within each format (torch_dist -> torch_dist is the direct item copy), and the ep
 # changes across formats (through the planner and both writers)
 PARAMS = [(c, f, f) for c in CASES for f in FORMATS] + \
@@ -78,15 +50,7 @@ def test_moe_reshard_loads_and_trains_on(moe_sources, tmp_path, case, fmt, out_f
     out = tmp_path / "out"
     done = tenplex("reshard", str(source / fmt), str(out), "--to", to, "--format", FORMATS[out_fmt])
     assert done.returncode == 0, done.stderr
-    got = run_moe(n_dst, dst, "--load", out_fmt, "--load-dir", str(out), "--train-steps", "2",
-                  "--loaded-logits-out", str(tmp_path / "got.pt"), "--fresh-logits-out", str(tmp_path / "fresh.pt"))
-    ref, loaded, fresh = logits(source / "ref.pt"), logits(tmp_path / "got.pt"), logits(tmp_path / "fresh.pt")
-    assert (ref - loaded).abs().max().item() <= 1e-6
-    assert (ref - fresh).abs().max().item() > 1e-3, "the load must matter"
-    resumed = losses(got)
-    assert len(resumed) == 2, got
-    assert max(abs(a - b) for a, b in zip(resumed, static[2:])) <= 1e-6, (resumed, static)
-
+    check_resumed(source, static, tmp_path, n_dst, dst + DIST_OPT, out_fmt, out)
 
 def test_impossible_expert_targets_are_refused_in_one_line(moe_sources, tmp_path):
     source, _ = moe_sources(2, "--ep 2")
@@ -144,7 +108,7 @@ def test_grouped_gemm_names_are_read_kept_and_converted(moe_sources, tmp_path):
     assert torch.equal(keys["decoder.layers.3.mlp.experts.linear_fc2.weight3"],
                        src["decoder.layers.3.mlp.experts.linear_fc2.weight1"])
     write_legacy(open_legacy(str(grouped)), str(tmp_path / "sequential"), ParallelConfig(), expert_names="sequential")
-    run_moe(1, "--ep 1", "--load", "legacy", "--load-dir", str(tmp_path / "sequential"),
+    run_moe(1, "--ep 1" + DIST_OPT, "--load", "legacy", "--load-dir", str(tmp_path / "sequential"),
             "--loaded-logits-out", str(tmp_path / "got.pt"))
     assert (logits(source / "ref.pt") - logits(tmp_path / "got.pt")).abs().max().item() <= 1e-6
     mixed = tmp_path / "mixed"

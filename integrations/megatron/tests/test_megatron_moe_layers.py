@@ -13,8 +13,8 @@ match the static run within 1e-6.
 
 import pytest
 
-from mcore_helpers import logits, losses, tenplex
-from test_megatron_moe import FORMATS, run_moe
+from mcore_helpers import tenplex
+from moe_cases import FORMATS, check_resumed, source_cache
 
 # (name, source world, source flags, target world, target flags, target config, [(in, out) formats])
 CASES = [
@@ -31,21 +31,9 @@ PARAMS = [(c, a, b) for c in CASES for a, b in c[6]]
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """``get(case)``: a directory with ``legacy/``, ``dist/``, ``ref.pt`` and the static run's 4 losses."""
-    cache: dict = {}
-    root = tmp_path_factory.mktemp("moe_layers")
-
-    def get(case):
-        name, n, flags = case[:3]
-        if name not in cache:
-            d = root / name
-            out = run_moe(n, flags, "--train-steps", "2", "--save", "both", "--save-dir", str(d),
-                          "--logits-out", str(d / "ref.pt"), "--more-steps", "2")
-            static = losses(out)
-            assert len(static) == 4, out
-            cache[name] = (d, static)
-        return cache[name]
-    return get
+    """``get(case)``: the case's source, trained and saved with the distributed optimizer (see moe_cases)."""
+    get = source_cache(tmp_path_factory.mktemp("moe_layers"))
+    return lambda case: get(case[1], case[2] + " --dist-opt")
 
 
 @pytest.mark.parametrize("case,fmt,out_fmt", PARAMS, ids=[f"{c[0]}-{a}-{b}" for c, a, b in PARAMS])
@@ -57,14 +45,7 @@ def test_mixed_layers_reshard_loads_and_trains_on(sources, tmp_path, case, fmt, 
     out = tmp_path / "out"
     done = tenplex("reshard", str(source / fmt), str(out), "--to", to, "--format", FORMATS[out_fmt])
     assert done.returncode == 0, done.stderr
-    got = run_moe(n_dst, dst, "--load", out_fmt, "--load-dir", str(out), "--train-steps", "2",
-                  "--loaded-logits-out", str(tmp_path / "got.pt"), "--fresh-logits-out", str(tmp_path / "fresh.pt"))
-    ref, loaded, fresh = logits(source / "ref.pt"), logits(tmp_path / "got.pt"), logits(tmp_path / "fresh.pt")
-    assert (ref - loaded).abs().max().item() <= 1e-6
-    assert (ref - fresh).abs().max().item() > 1e-3, "the load must matter"
-    resumed = losses(got)
-    assert len(resumed) == 2, got
-    assert max(abs(a - b) for a, b in zip(resumed, static[2:])) <= 1e-6, (resumed, static)
+    check_resumed(source, static, tmp_path, n_dst, dst + " --dist-opt", out_fmt, out)
 
 
 @pytest.mark.slow

@@ -15,65 +15,21 @@ match the source's within 1e-6 (a fresh model's do not), and 2 more steps
 match the static run within 1e-6.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from mcore_helpers import logits, losses, tenplex
+from mcore_helpers import tenplex
+from moe_cases import FORMATS, check_resumed, source_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-WORKER = os.path.join(os.path.dirname(__file__), "moe_worker.py")
-MODEL = ("--layers 4 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
-         "--vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --experts 4 --topk 2 --batch 4")
 DP_RESHARDABLE = "--dist-opt --sharding-type dp_reshardable"
-FORMATS = {"legacy": "megatron-legacy", "dist": "megatron-dist"}
-
-
-def run_moe(n: int, flags: str, *extra: str, timeout: int = 300) -> str:
-    """Run moe_worker.py under torchrun with ``n`` processes; return its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", WORKER,
-           *flags.split(), *MODEL.split(), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if done.returncode != 0:
-        raise AssertionError(f"worker failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return done.stdout
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """``get(world, flags)``: a directory with ``legacy/``, ``dist/``, ``ref.pt`` and the static run's losses."""
-    cache: dict = {}
-    root = tmp_path_factory.mktemp("moe_optim")
-
-    def get(n: int, flags: str):
-        if (n, flags) not in cache:
-            d = root / flags.replace(" ", "").replace("--", "_")
-            out = run_moe(n, flags, "--train-steps", "2", "--save", "both", "--save-dir", str(d),
-                          "--logits-out", str(d / "ref.pt"), "--more-steps", "2")
-            static = losses(out)
-            assert len(static) == 4, out
-            cache[(n, flags)] = (d, static)
-        return cache[(n, flags)]
-    return get
-
-
-def check_resumed(source, static, tmp_path, n: int, flags: str, fmt: str, out) -> None:
-    """megatron-core at the target loads ``out``: logits within 1e-6 of the source's (a fresh model's
-    are not), and 2 more steps within 1e-6 of the static run."""
-    got = run_moe(n, flags, "--load", fmt, "--load-dir", str(out), "--train-steps", "2", "--strict", "on",
-                  "--loaded-logits-out", str(tmp_path / "got.pt"),
-                  "--fresh-logits-out", str(tmp_path / "fresh.pt"))
-    ref, loaded, fresh = logits(source / "ref.pt"), logits(tmp_path / "got.pt"), logits(tmp_path / "fresh.pt")
-    assert (ref - loaded).abs().max().item() <= 1e-6
-    assert (ref - fresh).abs().max().item() > 1e-3, "the load must matter"
-    resumed = losses(got)
-    assert len(resumed) == 2, got
-    assert max(abs(a - b) for a, b in zip(resumed, static[2:])) <= 1e-6, (resumed, static)
+    """``get(world, flags)``: a source trained and saved by megatron-core (see moe_cases)."""
+    return source_cache(tmp_path_factory.mktemp("moe_optim"))
 
 
 def dcp_keys(root) -> set[str]:
@@ -109,7 +65,7 @@ def test_dp_reshardable_with_experts_and_vpp_is_kept(sources, tmp_path, case):
         chained = "ep=2" in to
         assert any(k.startswith("chained_1.optimizer.distributed.dp_group_idx_") for k in keys) == chained
         assert any(".gbuf_idx_1." in k for k in keys) == ("vpp=2" in to)
-    check_resumed(source, static, tmp_path, n_dst, f"{dst} {DP_RESHARDABLE}", out_fmt, out)
+    check_resumed(source, static, tmp_path, n_dst, f"{dst} {DP_RESHARDABLE}", out_fmt, out, "--strict", "on")
 
 
 ADAM_CASES = [
@@ -134,7 +90,7 @@ def test_non_distributed_adam_with_experts(sources, tmp_path, case):
         optimizer = torch.load(out / "common.pt", weights_only=False)["optimizer"]
         assert set(optimizer) == ({0, 1} if "ep=2" in to else {"state", "param_groups"}), optimizer.keys()
         assert not any(k.startswith("optimizer.state.param.") for k in dcp_keys(out))
-    check_resumed(source, static, tmp_path, n_dst, dst + " --optimizer", out_fmt, out)
+    check_resumed(source, static, tmp_path, n_dst, dst + " --optimizer", out_fmt, out, "--strict", "on")
 
 
 ETP_CASES = [
@@ -158,7 +114,7 @@ def test_legacy_moe_with_etp_below_tp(sources, tmp_path, case):
     dirs = sorted(p.name for p in (out / "iter_0000010").iterdir())
     want = ["mp_rank_00_000", "mp_rank_01_001"] if "etp=1" in to else ["mp_rank_00_000", "mp_rank_00_001"]
     assert dirs == want
-    check_resumed(source, static, tmp_path, n_dst, f"{dst} --dist-opt", "legacy", out)
+    check_resumed(source, static, tmp_path, n_dst, f"{dst} --dist-opt", "legacy", out, "--strict", "on")
     done = tenplex("reshard", str(source / fmt), str(tmp_path / "etp2"), "--to", "dp=4,tp=1,ep=2,etp=2",
                    "--format", "megatron-legacy")
     assert done.returncode == 1 and not (tmp_path / "etp2").exists()
