@@ -37,8 +37,8 @@ import torch
 from tenplex.errors import CorruptShardError, UnsafePickleError
 from tenplex.ptree.tree import DTYPES
 
-from tenplex_megatron.restricted_unpickler import (MAX_PICKLE_BYTES, Profile, Refused, Rule,
-                                                   unpickle)
+from tenplex_megatron.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
+from tenplex_megatron.ziprecords import check_stored
 
 __all__ = ["safe_load", "load_tensor", "tensor_header", "FileView", "ALLOWED_GLOBALS",
            "TORCH_SAFE_GLOBALS", "MAX_NDIM", "TORCH_DTYPES", "regular_file_size", "open_regular"]
@@ -69,8 +69,8 @@ class _StorageType:
 
 
 class _Storage:
-    def __init__(self, dtype: torch.dtype, numel: int, record: str = ""):
-        self.dtype, self.numel, self.record = dtype, numel, record
+    def __init__(self, dtype: torch.dtype, numel: int, record: str = "", offset: int = 0):
+        self.dtype, self.numel, self.record, self.offset = dtype, numel, record, offset
 
 
 class _Tensor:
@@ -355,8 +355,8 @@ def _stream_size(f) -> int:
     return size
 
 
-def _validate(f, size: int, what: str, rules: dict, records: dict | None = None) -> Any:
-    """Interpret ``f``'s ``data.pkl`` under ``rules``; ``records`` gets ``{storage record: offset in f}``."""
+def _validate(f, size: int, what: str, rules: dict) -> Any:
+    """Interpret ``f``'s ``data.pkl`` under ``rules`` (storages carry their record's offset in ``f``)."""
     start = f.tell()
     try:
         archive = torch._C.PyTorchFileReader(f)
@@ -399,15 +399,14 @@ def _validate(f, size: int, what: str, rules: dict, records: dict | None = None)
         if record_size(name) != nbytes:
             raise Refused(f"record {name} holds {archive.get_record_size(name)} bytes, "
                           f"{numel} x {kind.dtype} needs {nbytes}")
-        storages[key] = _Storage(kind.dtype, numel, name)
+        storages[key] = _Storage(kind.dtype, numel, name, archive.get_record_offset(name))
         return storages[key]
 
     profile = Profile("torch file", rules, builders=_BUILDERS,
                       must_build=(_NpDtype, _NpArray), opcodes=_OPCODES,
                       persistent_load=persistent_load, dict_types=(dict, OrderedDict))
     result = unpickle(archive.get_record("data.pkl"), profile, what)
-    for storage in storages.values() if records is not None else ():
-        records[storage.record] = archive.get_record_offset(storage.record)
+    check_stored(f, start, [storage.record for storage in storages.values()], what)
     f.seek(start)
     return result
 
@@ -480,12 +479,11 @@ def tensor_header(f, what: str, *, locate: bool = False) -> tuple:
         UnsafePickleError: as :func:`safe_load`, or the file holds something other than a tensor.
         CorruptShardError: as :func:`safe_load`.
     """
-    records: dict[str, int] | None = {} if locate else None
-    obj = _validate(f, _stream_size(f), what, _TENSOR_RULES, records)
+    obj = _validate(f, _stream_size(f), what, _TENSOR_RULES)
     if not isinstance(obj, _Tensor):
         raise UnsafePickleError(f"{what}: refusing unsafe unpickling (a tensor item holds a "
                                 f"{type(obj).__name__}, not a tensor)")
-    where = () if records is None else (obj.stride, records[obj.storage.record] + obj.offset * obj.dtype.itemsize)
+    where = (obj.stride, obj.storage.offset + obj.offset * obj.dtype.itemsize) if locate else ()
     return (obj.dtype, obj.shape, *where)
 
 

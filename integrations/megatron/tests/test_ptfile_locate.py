@@ -48,3 +48,25 @@ def test_anything_but_one_tensor_is_refused(tmp_path):
     (tmp_path / "d.distcp").write_bytes(blob)
     with pytest.raises(UnsafePickleError, match="not a tensor"):
         locate_tensor(str(tmp_path / "d.distcp"), 0, len(blob), "item")
+
+
+def test_a_compressed_tensor_record_is_refused(tmp_path):
+    """A deflated storage record is valid zip (torch.load inflates it), but its bytes in place are the
+    compressed stream: both readers refuse it rather than return the stream as tensor data."""
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(_blob(torch.zeros(1000))))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as out:
+        for info in src.infolist():
+            method = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            out.writestr(info.filename, src.read(info.filename), compress_type=method)
+        out.writestr(info.filename.rsplit("/", 1)[0] + "/pad", b"\1" * 8000)  # the file stays long enough
+    blob = buf.getvalue()
+    assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), torch.zeros(1000))
+    path = tmp_path / "z.distcp"
+    path.write_bytes(blob)
+    with pytest.raises(CorruptShardError, match="record data/0 is compressed"):
+        locate_tensor(str(path), 0, len(blob), "item")
+    with pytest.raises(CorruptShardError, match="record data/0 is compressed"):
+        load_refs(str(path), 0, len(blob))
