@@ -124,11 +124,6 @@ class MegatronConfig:
         return bool(freq[layer]) if isinstance(freq, tuple) else layer % int(freq) == 0
 
     @property
-    def homogeneous(self) -> bool:
-        """Every layer has the same parameters."""
-        return all(self.is_moe_layer(i) == self.is_moe_layer(0) for i in range(self.num_layers))
-
-    @property
     def dist_per_layer(self) -> bool:
         """Whether ``torch_dist`` keys the layers one by one (``decoder.layers.<l>.*``, no layer axis).
 

@@ -112,7 +112,14 @@ def _group(cfg, config, prefix, idx, expert, t, p, e) -> list[OptimBuffer]:
 
 
 def expected_flat(cfg: MegatronConfig, config: ParallelConfig, dtypes) -> dict[str, int]:
-    """``{DCP key: numel}`` of every flat tensor a ``dp_reshardable`` checkpoint of ``config`` holds."""
+    """``{DCP key: numel}`` of every flat tensor a ``dp_reshardable`` checkpoint of ``config`` holds,
+    with buffer dtypes ``dtypes`` (``(param_dtype, grad_dtype)`` names). Computed once per
+    arguments (the metadata check asks for every item); do not modify the result."""
+    return _expected_flat(cfg, config, tuple(dtypes))
+
+
+@lru_cache(maxsize=32)
+def _expected_flat(cfg: MegatronConfig, config: ParallelConfig, dtypes: tuple) -> dict[str, int]:
     out = {}
     for buf in optimizer_buffers(cfg, config):
         for b, (_, numel, _) in enumerate(buf.layout(cfg, config)):

@@ -29,7 +29,7 @@ from tenplex_megatron.layouts import OPTIMIZER_STATES, ParamSpec, extra_state_ke
 from tenplex_megatron.safe_load import open_regular
 
 __all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
-           "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_modules", "extra_state_objects",
+           "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
            "known_extra_state", "dist_key"]
 
 FLAT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
@@ -131,11 +131,6 @@ def _layer_extra_modules(cfg: MegatronConfig, layer: int) -> dict[str, bool]:
         else:
             out[module] = False
     return out
-
-
-def extra_state_modules(cfg: MegatronConfig) -> dict[str, bool]:
-    """``{module: stacked over experts}`` of the ``_extra_state`` objects of layer 0 (and the output layer)."""
-    return {"output_layer": False, **_layer_extra_modules(cfg, 0)}
 
 
 def extra_state_objects(cfg: MegatronConfig, layer: int) -> list[str]:

@@ -83,7 +83,7 @@ def test_args_are_read_and_rewritten_for_every_axis():
                               make_vocab_size_divisible_by=16)
     cfg = MegatronConfig.from_args(args)
     assert cfg.num_moe_experts == 8 and cfg.moe_layer_freq == (1, 0, 1, 0) and cfg.moe_grouped_gemm
-    assert [cfg.is_moe_layer(i) for i in range(4)] == [True, False, True, False] and not cfg.homogeneous
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [True, False, True, False] and cfg.dist_per_layer
     assert MegatronConfig.from_json(cfg.to_json()) == cfg
     out = args_for(args, cfg, ParallelConfig(dp=2, pp=2, cp=2, ep=4, etp=1, vpp=2))
     assert (out.context_parallel_size, out.expert_model_parallel_size, out.expert_tensor_parallel_size,
