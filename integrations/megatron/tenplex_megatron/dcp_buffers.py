@@ -36,7 +36,7 @@ from tenplex.ptree.config import Coord, ParallelConfig
 
 from tenplex_megatron.config import MegatronConfig
 from tenplex_megatron.dcp_keys import flat_key, object_key
-from tenplex_megatron.flatbuf import buffer_layout
+from tenplex_megatron.flatbuf import buffer_layout, shard_group
 from tenplex_megatron.layouts import OPTIMIZER_STATES, spec_of
 
 __all__ = ["OptimBuffer", "optimizer_buffers", "expected_flat", "flat_index", "chained"]
@@ -67,7 +67,7 @@ class OptimBuffer(NamedTuple):
 
     def layout(self, cfg: MegatronConfig, config: ParallelConfig, padded: bool = False):
         """:func:`buffer_layout` of this buffer (padding for its shard group when ``padded``)."""
-        group = (config.edp if self.expert else config.dp * config.cp) if padded else 1
+        group = shard_group(config, self.expert) if padded else 1
         return buffer_layout(cfg, config, self.pp, group, chunk=self.chunk, expert=self.expert, ep_rank=self.ep)
 
     def key(self, bucket: int, state: str, dtypes) -> str:

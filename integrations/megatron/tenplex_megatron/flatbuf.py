@@ -42,7 +42,7 @@ from tenplex_megatron.ptfile import TensorRef
 from tenplex_megatron.safe_load import TORCH_DTYPES
 
 __all__ = ["ALIGN", "buffer_layout", "buffer_dtypes", "dtype_key", "distrib_optim_refs", "flat_buffers",
-           "flat_numel", "distrib_optim_state", "FLAT_DTYPE"]
+           "flat_numel", "shard_group", "distrib_optim_state", "FLAT_DTYPE"]
 
 ALIGN = 64
 PAD_MULTIPLE = 128
@@ -188,10 +188,17 @@ def _chunk_refs(cfg, config, sharding, t, p, e, v, expert, obj, where):
     return out, dtypes
 
 
+def shard_group(config: ParallelConfig, expert: bool) -> int:
+    """Ranks a distributed-optimizer buffer is sharded (and padded) over: expert-dp for an expert
+    buffer, dp x cp for a dense one (megatron-core ``DistributedOptimizer`` over
+    ``get_data_parallel_group(with_context_parallel=True)`` or the expert-dp group)."""
+    return config.edp if expert else config.dp * config.cp
+
+
 def _flat_layout(cfg: MegatronConfig, config: ParallelConfig, p: int, chunk: int, expert: bool,
                  ep_rank: int) -> list:
-    group = config.edp if expert else config.dp * config.cp
-    return buffer_layout(cfg, config, p, group, chunk=chunk, expert=expert, ep_rank=ep_rank)
+    return buffer_layout(cfg, config, p, shard_group(config, expert), chunk=chunk, expert=expert,
+                         ep_rank=ep_rank)
 
 
 def flat_numel(cfg: MegatronConfig, config: ParallelConfig, p: int, chunk: int = 0,
