@@ -51,6 +51,13 @@ class Coord(NamedTuple):
     etp: int = 0
     edp: int = 0
 
+    @property
+    def dense_dp_first(self) -> bool:
+        """Whether the rank is first in its dense data-parallel group (dp x cp ranks hold the same
+        dense shards): the rank that saves their shared state, as megatron-core saves
+        distributed-optimizer state on data-parallel rank 0 of the group with context parallel."""
+        return self.dp == 0 and self.cp == 0
+
 
 @dataclass(frozen=True)
 class ParallelConfig:

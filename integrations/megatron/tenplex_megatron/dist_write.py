@@ -146,7 +146,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
             writer, files = DcpWriter(tmp), 0
             for rank in range(to.world_size):
                 c = to.coord(rank)
-                dense = (c.dp, c.cp) == (0, 0)
+                dense = c.dense_dp_first
                 if not dense and c.edp != 0:
                     continue  # holds replicas only: megatron-core writes replica_id 0
                 writer.open(f"__{rank}_0.distcp")
@@ -200,7 +200,7 @@ def _write_buffers(build, cfg, writer, c, rank, dtypes, values) -> None:
     to = build.to
     mine = [buf for buf in optimizer_buffers(cfg, to)
             if (buf.expert and c.edp == 0 and (buf.split, buf.pp, buf.ep) == (c.etp, c.pp, c.ep))
-            or (not buf.expert and (c.dp, c.cp) == (0, 0) and (buf.split, buf.pp) == (c.tp, c.pp))]
+            or (not buf.expert and c.dense_dp_first and (buf.split, buf.pp) == (c.tp, c.pp))]
     key = dtype_key(dtypes)
     groups: dict = {}
     for buf in mine:

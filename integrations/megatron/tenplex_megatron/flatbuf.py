@@ -137,7 +137,7 @@ def distrib_optim_refs(cfg: MegatronConfig, config: ParallelConfig, sharding: Sh
         if not isinstance(obj, list) or len(obj) != 2:
             raise ManifestError(f"{where}: expected [dense | None, expert | None] (ep={config.ep}); "
                                 f"found {type(obj).__name__}")
-        dense = e == 0 if writer is None else (writer.dp, writer.cp) == (0, 0)
+        dense = e == 0 if writer is None else writer.dense_dp_first
         if obj[1] is None or (dense and obj[0] is None):
             raise ManifestError(f"{where}: the {'expert' if obj[1] is None else 'dense'} optimizer state "
                                 "is missing")

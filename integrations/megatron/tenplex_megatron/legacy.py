@@ -105,7 +105,7 @@ def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, sche
     the expert naming schemes seen (``"sequential"`` or ``"grouped"``);
     ``writer`` is the ``Coord`` of the rank that wrote the file.
     """
-    dense = (writer.dp, writer.cp) == (0, 0)
+    dense = writer.dense_dp_first
     out, used = {}, set()
     for path, keys in chunk_keys(cfg, config, p, v, e).items():
         key = next((k for k in keys if k in model), None)
@@ -175,7 +175,7 @@ def _adam_refs(cfg, config, sharding, t, p, e, optim, model_refs: dict, where: s
     subs = _subs(optim, where)
     out = {}
     for sub, specs in zip(subs, _sub_specs(cfg, config, p, e, 0, len(subs), where)):
-        if (writer.dp, writer.cp) != (0, 0):
+        if not writer.dense_dp_first:
             specs = [s for s in specs if s.expert is not None]
             if not specs:
                 continue
@@ -388,7 +388,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if len(schemes) > 1:
         raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                             "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
-    files = {k[:2]: s for k, s in files.items() if (writers[k].dp, writers[k].cp) == (0, 0)}  # dense dp x cp 0
+    files = {k[:2]: s for k, s in files.items() if writers[k].dense_dp_first}
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
         "megatron/iteration": iteration,

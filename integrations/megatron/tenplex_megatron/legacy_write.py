@@ -171,8 +171,7 @@ def _distrib_optim(build, cfg, to, p, e, rank, dtypes, path: str) -> int:
     if not _experts(cfg, to):
         obj = state(False)
     else:
-        c = to.coord(rank)
-        obj = [state(False) if (c.dp, c.cp) == (0, 0) else None, state(True)]
+        obj = [state(False) if to.coord(rank).dense_dp_first else None, state(True)]
     return save_streamed(obj, path, placeholders, _ahead(fns))
 
 
