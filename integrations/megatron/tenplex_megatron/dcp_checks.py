@@ -28,13 +28,12 @@ import os
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
 
 from tenplex.errors import CorruptShardError, ManifestError, PathError
 
+from tenplex_megatron.dcp_records import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                          MetadataIndex, StorageInfo, StorageMeta, TensorProperties,
+                                          TensorStorageMetadata)
 from tenplex_megatron.safe_load import (MAX_NDIM, FileView, open_regular, regular_file_size,
                                         tensor_header)
 
@@ -103,7 +102,7 @@ def _check_types(md: Metadata, what: str) -> None:
         if type(index) is not MetadataIndex or type(index.fqn) is not str or \
                 not (index.offset is None or _is_size(index.offset)):
             raise ManifestError(f"{what}: storage_data key {index!r:.120} is not a MetadataIndex")
-        if type(info) is not _StorageInfo or type(info.offset) is not int or \
+        if type(info) is not StorageInfo or type(info.offset) is not int or \
                 type(info.length) is not int or info.offset < 0 or info.length < 0:
             raise ManifestError(f"{what}: storage_data[{index.fqn}] is not (relative_path, offset, "
                                 f"length): {info!r:.120}")

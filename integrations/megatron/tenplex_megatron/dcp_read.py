@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
@@ -31,7 +30,8 @@ from tenplex_megatron.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.dcp_buffers import chained, expected_flat
 from tenplex_megatron.dcp_keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
                                        expected_tensors, is_dist, known_extra_state, object_key)
-from tenplex_megatron.dcp_safe import SafeReader, read_objects
+from tenplex_megatron.dcp_records import BytesStorageMetadata, TensorStorageMetadata
+from tenplex_megatron.dcp_safe import read_metadata, read_objects
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
@@ -285,7 +285,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         raise ConfigError(f"{root}: common.pt has no args; pass the model config "
                           "(--model-config FILE.json, see docs/megatron.md)")
     cfg = MegatronConfig.from_args(args, model_config)
-    md = SafeReader(root).read_metadata()
+    md = read_metadata(root)
     optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
     optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata, root)
     tp, pp = _grid(cfg, args, md, optim, root)

@@ -1,4 +1,4 @@
-"""Read PyTorch DCP directories without arbitrary unpickling.
+"""Read PyTorch DCP metadata and byte objects without arbitrary unpickling.
 
 DCP's ``.metadata`` file is a pickle (protocol 4), and DCP's own reader
 loads it with ``pickle.load``, which runs whatever the file names. tenplex
@@ -8,17 +8,19 @@ that torch 2.13's ``FileSystemWriter`` and megatron-core 0.16.1 write
 (found by unpickling real ``.metadata`` files), each created empty by
 ``NEWOBJ`` and given its fields once by ``BUILD``, plus ``torch.Size``,
 ``torch.serialization._get_layout``, two enums and the torch dtypes, each
-called only with the arguments it takes.
+called only with the arguments it takes. Each record is built as tenplex's
+copy of it (:mod:`tenplex_megatron.dcp_records`), so reading imports no DCP
+module.
 
 The result is then checked (:func:`tenplex_megatron.dcp_checks.check_metadata`):
 every field's type; every ``relative_path`` a plain file name in the
 checkpoint directory that does not resolve outside it; every item's bytes
 inside its file and not shared with another item; every tensor's chunks
-inside the tensor, disjoint, and covering it whole. Tensor items are loaded
-through :func:`tenplex_megatron.safe_load.load_tensor` (tensor globals only)
-and must have the shape and dtype their chunk records; byte objects are read
+inside the tensor, disjoint, and covering it whole. Byte objects are read
 by :func:`read_objects` and loaded through
-:func:`tenplex_megatron.safe_load.safe_load`.
+:func:`tenplex_megatron.safe_load.safe_load`; tensor items through
+:func:`tenplex_megatron.safe_load.load_tensor` (tensor globals only), by
+tenplex's readers or by :class:`tenplex_megatron.dcp_load.SafeReader`.
 """
 
 from __future__ import annotations
@@ -26,37 +28,26 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata,
-                                                   ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadItemType, SavePlan, TensorWriteData,
-                                                  WriteItem, WriteItemType)
-from torch.futures import Future
 
 from tenplex.errors import CorruptShardError, ManifestError, UnsafePickleError
 
 from tenplex_megatron.dcp_checks import MAX_OBJECT_BYTES, check_metadata, item_file
+from tenplex_megatron.dcp_records import (TORCH_NAMES, BytesStorageMetadata, ChunkStorageMetadata,
+                                          MemoryFormat, Metadata, MetadataIndex, SavePlan, StorageInfo,
+                                          StorageMeta, TensorProperties, TensorStorageMetadata,
+                                          TensorWriteData, WriteItem, WriteItemType)
 from tenplex_megatron.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
-from tenplex_megatron.safe_load import (MAX_NDIM, TORCH_DTYPES, FileView, load_tensor,
-                                        open_regular, safe_load)
+from tenplex_megatron.safe_load import MAX_NDIM, TORCH_DTYPES, open_regular, safe_load
 
-__all__ = ["SafeReader", "read_objects", "read_metadata", "ALLOWED_GLOBALS"]
+__all__ = ["read_objects", "read_metadata", "ALLOWED_GLOBALS"]
 
-_METADATA = "torch.distributed.checkpoint.metadata"
-_PLANNER = "torch.distributed.checkpoint.planner"
 _EXTRA = {Metadata: {"all_local_plans", "mcore_data"}}  # set on Metadata by megatron-core; dropped
-_MEMORY_FORMATS = {_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
-                   _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
-                   _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format}
+_MEMORY_FORMATS = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
+                   MemoryFormat.TORCH_CHANNELS_LAST: torch.channels_last,
+                   MemoryFormat.TORCH_PRESERVE_FORMAT: torch.preserve_format}
 
 
 def _new_record(cls: type):
@@ -128,23 +119,21 @@ def _enum(cls: type):
 
 
 _RECORDS = (Metadata, TensorStorageMetadata, ChunkStorageMetadata, BytesStorageMetadata,
-            MetadataIndex, StorageMeta, _StorageInfo, SavePlan, WriteItem, TensorWriteData)
+            MetadataIndex, StorageMeta, StorageInfo, SavePlan, WriteItem, TensorWriteData)
 _RECORD_WHY = {
     Metadata: "the file's root record", TensorStorageMetadata: "a tensor's dtype, size and chunks",
     ChunkStorageMetadata: "one chunk of a tensor", BytesStorageMetadata: "a byte object (common state)",
     MetadataIndex: "the key of storage_data", StorageMeta: "save ids (ignored)",
-    _StorageInfo: "where an item's bytes are (file, offset, length)",
+    StorageInfo: "where an item's bytes are (file, offset, length)",
     SavePlan: "megatron-core's all_local_plans (dropped)", WriteItem: "inside all_local_plans",
     TensorWriteData: "inside all_local_plans"}
 
 ALLOWED_GLOBALS = {(r.module, r.name): r for r in (
-    *(Rule(cls.__module__, cls.__name__, new=_new_record(cls), reason=_RECORD_WHY[cls])
-      for cls in _RECORDS),
-    Rule(_METADATA, "TensorProperties", new=_new_record(TensorProperties),
+    *(Rule(*TORCH_NAMES[cls], new=_new_record(cls), reason=_RECORD_WHY[cls]) for cls in _RECORDS),
+    Rule(*TORCH_NAMES[TensorProperties], new=_new_record(TensorProperties),
          reason="a tensor's dtype and layout (state is a 5-tuple)"),
-    Rule(_METADATA, "_MEM_FORMAT_ENCODING", reduce=_enum(_MEM_FORMAT_ENCODING),
-         reason="TensorProperties' memory format"),
-    Rule(_PLANNER, "WriteItemType", reduce=_enum(WriteItemType), reason="inside all_local_plans"),
+    Rule(*TORCH_NAMES[MemoryFormat], reduce=_enum(MemoryFormat), reason="TensorProperties' memory format"),
+    Rule(*TORCH_NAMES[WriteItemType], reduce=_enum(WriteItemType), reason="inside all_local_plans"),
     Rule("torch", "Size", reduce=_size, reason="tensor sizes and chunk offsets"),
     Rule("torch.serialization", "_get_layout", reduce=_layout, reason="TensorProperties' layout"),
     *(Rule("torch", name, value=dtype, reason="TensorProperties' dtype")
@@ -194,101 +183,12 @@ def read_metadata(root: str) -> Metadata:
     return md
 
 
-class SafeReader(FileSystemReader):
-    """A ``FileSystemReader`` that unpickles nothing outside the allow-lists.
-
-    ``read_metadata`` is :func:`read_metadata` (checked once per reader, then
-    cached). ``read_data`` loads each tensor item through
-    :func:`~tenplex_megatron.safe_load.load_tensor` and checks its shape and
-    dtype again; byte items are refused here (read them with
-    :func:`read_objects`): DCP's planner would load them with
-    ``weights_only=False``. Use :meth:`load` rather than ``dcp.load``: DCP
-    wraps every error raised while reading in a ``CheckpointException``, a
-    ``BaseException`` whose message is a traceback.
-    """
-
-    _metadata: Metadata | None = None
-
-    def reset(self, checkpoint_id=None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id:
-            self._metadata = None
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self._metadata is None:
-            self._metadata = read_metadata(str(self.path))
-            self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-    def load(self, state_dict: dict) -> None:
-        """``dcp.load(state_dict)`` from this directory, in this process only.
-
-        Raises:
-            The tenplex error that stopped the read (see :func:`read_metadata`
-            and ``read_data``), not DCP's ``CheckpointException``.
-        """
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
-            try:
-                dcp.load(state_dict, storage_reader=self, no_dist=True)
-            except CheckpointException as exc:
-                for error, _ in exc.failures.values():
-                    if isinstance(error, Exception):
-                        raise error from None
-                raise
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
-        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._chunks = {MetadataIndex(fqn, c.offsets): (c.sizes, item.properties.dtype)
-                        for fqn, item in metadata.state_dict_metadata.items()
-                        if isinstance(item, TensorStorageMetadata) for c in item.chunks}
-
-    def read_data(self, plan, planner) -> Future:
-        root = str(self.path)
-        per_file: dict[str, list] = {}
-        for req in plan.items:
-            if req.type == LoadItemType.BYTE_IO:
-                raise ManifestError(f"{root}: byte item {req.storage_index.fqn} requested through "
-                                    "dcp.load; tenplex reads byte objects with read_objects")
-            info = self.storage_data[req.storage_index]
-            per_file.setdefault(info.relative_path, []).append((req, info))
-        for relative_path, reqs in per_file.items():
-            path, _ = item_file(root, relative_path)
-            f, size = open_regular(path, path)
-            with f:
-                for req, info in reqs:
-                    _load_item(f, path, size, req, info, self._chunks[req.storage_index], planner)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
-
-def _load_item(f, path: str, size: int, req, info, chunk: tuple, planner) -> None:
-    what = f"{path} [{req.storage_index.fqn}]"
-    if info.offset + info.length > size:
-        raise CorruptShardError(f"{what}: bytes [{info.offset}, {info.offset + info.length}) lie "
-                                f"past the end of the file ({size} bytes)")
-    tensor = load_tensor(FileView(f, info.offset, info.length), what)
-    sizes, dtype = chunk
-    if tuple(tensor.shape) != tuple(sizes) or tensor.dtype != dtype:
-        raise CorruptShardError(f"{what}: the item holds a {tuple(tensor.shape)} {tensor.dtype} "
-                                f"tensor, the metadata says {tuple(sizes)} {dtype}")
-    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-        tensor = tensor.narrow(dim, start, length)
-    target = planner.resolve_tensor(req).detach()
-    if target.shape != tensor.shape:
-        raise CorruptShardError(f"{what}: a {tuple(tensor.shape)} region for a "
-                                f"{tuple(target.shape)} destination")
-    target.copy_(tensor)
-    planner.commit_tensor(req, target)
-
-
 def read_objects(root: str, md: Metadata, prefix: str = "") -> dict:
     """The byte objects under ``prefix``, each loaded with :func:`safe_load`.
 
     Args:
         root: the DCP directory.
-        md: its metadata, from :func:`read_metadata` (or ``SafeReader.read_metadata``).
+        md: its metadata, from :func:`read_metadata`.
         prefix: keep only keys that start with it.
 
     Returns:
@@ -306,7 +206,7 @@ def read_objects(root: str, md: Metadata, prefix: str = "") -> dict:
         if not isinstance(item, BytesStorageMetadata) or not key.startswith(prefix):
             continue
         info = md.storage_data.get(MetadataIndex(key)) if isinstance(md.storage_data, dict) else None
-        if not isinstance(info, _StorageInfo):
+        if not isinstance(info, StorageInfo):
             raise ManifestError(f"{root}/.metadata: byte object {key!r} has no storage record")
         path, size = item_file(root, info.relative_path)
         what = f"{path} [{key}]"

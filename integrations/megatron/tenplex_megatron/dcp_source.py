@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from tenplex.errors import ManifestError
 from tenplex.ptree.config import Coord
@@ -30,6 +29,7 @@ from tenplex.ptree.tree import torch_dtype
 from tenplex_megatron.dcp_buffers import flat_index, optimizer_buffers
 from tenplex_megatron.dcp_keys import EXTRA_KEY, dist_key
 from tenplex_megatron.dcp_read import DcpRecord, FoundDist, describe_dist, rng_coords
+from tenplex_megatron.dcp_records import MetadataIndex
 from tenplex_megatron.dcp_safe import read_objects
 from tenplex_megatron.jsonable import to_jsonable
 from tenplex_megatron.layouts import spec_of

@@ -19,7 +19,6 @@ import shutil
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from tenplex.errors import ManifestError
 from tenplex.ptree.config import ParallelConfig
@@ -29,6 +28,7 @@ from tenplex.transform.plan import PaddingChange
 from tenplex_megatron.common import TargetValues
 from tenplex_megatron.dcp_keys import RNG_KEY, rng_key
 from tenplex_megatron.dcp_read import read_common
+from tenplex_megatron.dcp_records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.dcp_source import DistSource, chunk_path, open_dist
 from tenplex_megatron.dcp_write import DcpWriter
 from tenplex_megatron.dist_write import commit_dir, temp_dir

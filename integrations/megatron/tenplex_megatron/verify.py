@@ -20,12 +20,12 @@ from math import prod
 from typing import Callable
 
 import xxhash
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from tenplex.errors import CorruptShardError, ManifestError
 from tenplex.ptree.region import Box, intersect
 
 from tenplex_megatron.dcp_read import describe_dist
+from tenplex_megatron.dcp_records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.dcp_source import DistSource, chunk_path
 from tenplex_megatron.legacy import LegacySource, describe_legacy
 from tenplex_megatron.ptfile import Window

@@ -29,7 +29,8 @@ from tenplex.cli.convert import write_store
 from tenplex.errors import TenplexError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron import dcp_safe, safe_load as safe_load_module
-from tenplex_megatron.dcp_safe import SafeReader, read_metadata, read_objects
+from tenplex_megatron.dcp_load import SafeReader, to_torch
+from tenplex_megatron.dcp_safe import read_metadata, read_objects
 from tenplex_megatron.dist_direct import reshard_dist
 from tenplex_megatron.plugin import DIST, LEGACY
 from tenplex_megatron.safe_load import safe_load
@@ -108,8 +109,10 @@ def test_real_dcp_directory_loads_as_dcp_loads_it(real):
     md = read_metadata(root)
     with open(real / "dist" / ".metadata", "rb") as f:
         theirs = pickle.load(f)  # written by megatron-core in this test
-    assert md.state_dict_metadata == theirs.state_dict_metadata
-    assert md.storage_data == theirs.storage_data and md.planner_data == theirs.planner_data
+    torch_md = to_torch(md)  # tenplex's records, as torch's classes: equal field by field
+    assert torch_md.state_dict_metadata == theirs.state_dict_metadata
+    assert torch_md.storage_data == theirs.storage_data and torch_md.planner_data == theirs.planner_data
+    assert type(SafeReader(root).read_metadata()) is type(theirs)
     ours = {k: torch.full(tuple(v.size), 7.0, dtype=v.properties.dtype)
             for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     ref = {k: torch.zeros_like(v) for k, v in ours.items()}

@@ -178,3 +178,29 @@ def test_tensor_refs_read_only_what_is_asked(tmp_path):
     (tmp_path / "c.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CorruptShardError, match="not a torch zip archive"):
         load_refs(str(tmp_path / "c.pt"))
+
+
+def test_dcp_records_mirror_torch_classes():
+    """tenplex's copies of DCP's records (read without importing DCP) have torch's field names,
+    defaults, equality and enum values, so a torch upgrade that changes them fails here."""
+    import dataclasses
+    import enum
+    import importlib
+
+    from tenplex_megatron.dcp_records import TORCH_NAMES, MetadataIndex
+
+    def default(f):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    for ours, (module, name) in TORCH_NAMES.items():
+        theirs = getattr(importlib.import_module(module), name)
+        if issubclass(ours, enum.Enum):
+            assert {m.name: m.value for m in ours} == {m.name: m.value for m in theirs}, name
+            continue
+        mine, torchs = dataclasses.fields(ours), dataclasses.fields(theirs)
+        assert [(f.name, default(f), f.compare, f.hash) for f in mine] == \
+            [(f.name, default(f), f.compare, f.hash) for f in torchs], name
+    from torch.distributed.checkpoint.metadata import MetadataIndex as TorchIndex
+    for args in (("a",), ("a", (0, 4)), ("a", [0, 4], 3)):
+        assert hash(MetadataIndex(*args)) == hash(TorchIndex(*args))
+        assert MetadataIndex(*args) == MetadataIndex(args[0], *args[1:2])
