@@ -20,8 +20,9 @@ one with ``dp_reshardable`` state. Each is then resharded to
 
 **Memory.** Each run's peak RSS is its process's own high-water mark
 (``os.wait4``'s ``ru_maxrss``). The interpreter's baseline is the peak RSS
-of a process that imports what the CLI imports for the case (the DCP
-modules only when a side is ``torch_dist``) and exits; its wall time is the
+of a process that imports what the CLI imports for the case (DCP's modules
+only when the target is ``torch_dist``: tenplex reads DCP metadata into its
+own records) and exits; its wall time is the
 start-up shown beside each case. The bound is ``1.5 x (largest source file + largest target file)``;
 ``peak_rss_over_bound`` = (peak - baseline) / bound, the worst case's
 (goal <= 1.0).
@@ -75,9 +76,11 @@ SRC, DST = (2, 2), (1, 4)  # (tp, pp)
 TARGET = "dp=1,tp=1,pp=4"
 _IMPORTS = ("import tenplex.cli.main as m; m.build_parser(); import tenplex.cli.commands, tenplex.api, "
             "tenplex_megatron.legacy, tenplex_megatron.legacy_write")
-BASELINE = {"legacy": _IMPORTS,  # what a run imports: the DCP modules only when a side is torch_dist
-            "dist": _IMPORTS + ", tenplex_megatron.dcp_source, tenplex_megatron.dist_write, "
-                               "tenplex_megatron.dist_direct"}
+BASELINE = {  # what a run imports: DCP's reader records are tenplex's own; its writer's are torch's
+    "legacy": _IMPORTS,
+    "read_dist": _IMPORTS + ", tenplex_megatron.dcp_source",
+    "write_dist": _IMPORTS + ", tenplex_megatron.dcp_source, tenplex_megatron.dist_write, "
+                             "tenplex_megatron.dist_direct"}
 CASES = {  # name: (source dir, --format, megatron's own comparison: (source dir, save kind) or None)
     "legacy_to_legacy": ("legacy", "megatron-legacy", None),
     "legacy_to_dist": ("legacy", "megatron-dist", None),
@@ -241,7 +244,7 @@ def main() -> None:
             starts[kind], baselines[kind], _ = measured([sys.executable, "-c", code])
         results, ratios, diff = {}, {}, float("nan")
         for name, (source, fmt, own) in CASES.items():
-            kind = "dist" if "dist" in source or fmt == "megatron-dist" else "legacy"
+            kind = "write_dist" if fmt == "megatron-dist" else "read_dist" if "dist" in source else "legacy"
             baseline, startup = baselines[kind], starts[kind]
             dst = f"{root}/out_{name}"
             wall, peak, out = measured([*tenplex_exe(), "reshard", src[source], dst, "--to", TARGET,
