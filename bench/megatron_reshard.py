@@ -34,7 +34,10 @@ and ``dp_reshardable`` only across dp). For those two cases the worker at
 load_dist`` + ``TIME save_legacy``/``save_dist``, i.e. without process
 start, process groups and model build). ``tenplex_over_megatron`` is the
 worse of the two ratios of tenplex's CLI wall time (start-up included) to
-that (goal <= 0.5).
+that (goal <= 0.5). Both sides run ``--repeat`` times (default 3),
+alternately, each after ``os.sync()`` (so neither pays for writing back
+the other's output); the ratio is of the medians, and every run's time is
+printed. On a 2-core VM single runs of either side vary by up to 1.5x.
 
 **Inspect.** ``tenplex inspect --json`` of the legacy and the ``torch_dist``
 source: the CLI's wall time, and, in a process that has already imported
@@ -52,7 +55,7 @@ At most the three sources and two outputs exist at once (about 5 x
 ``--gb``). The last line is one JSON object. Run it when the machine is
 otherwise idle.
 
-Usage: python bench/megatron_reshard.py [--gb 2.0] [--threads 8] [--shm]
+Usage: python bench/megatron_reshard.py [--gb 2.0] [--threads 8] [--repeat 3] [--shm]
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -217,6 +221,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size with optimizer state (GB)")
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each side where megatron-core can reshard too; medians compared")
     parser.add_argument("--shm", action="store_true", help="put the checkpoints in /dev/shm (RAM)")
     args = parser.parse_args()
 
@@ -247,36 +253,51 @@ def main() -> None:
             kind = "write_dist" if fmt == "megatron-dist" else "read_dist" if "dist" in source else "legacy"
             baseline, startup = baselines[kind], starts[kind]
             dst = f"{root}/out_{name}"
-            wall, peak, out = measured([*tenplex_exe(), "reshard", src[source], dst, "--to", TARGET,
-                                        "--format", fmt, "--threads", str(args.threads), "--json"])
-            bound = 1.5 * (largest_file(src[source]) + largest_file(dst))
-            r = results[name] = {"wall_s": round(wall, 2), "startup_s": round(startup, 2),
-                                 "peak_rss_mb": round(peak, 1), "baseline_rss_mb": round(baseline, 1),
+            walls, peaks, megatron = [], [], []
+            for i in range(args.repeat if own is not None else 1):  # interleaved: same machine state
+                os.sync()  # earlier outputs' dirty pages are written back before either side runs
+                wall, peak, out = measured([*tenplex_exe(), "reshard", src[source], dst, "--to", TARGET,
+                                            "--format", fmt, "--threads", str(args.threads), "--json"])
+                walls.append(wall)
+                peaks.append(peak)
+                if i == 0:
+                    bound = 1.5 * (largest_file(src[source]) + largest_file(dst))
+                    written = json.loads(out.strip().splitlines()[-1])["bytes_written"]
+                    same = same_state(src[source], dst)
+                if own is not None:  # megatron-core's own load + save at the target
+                    mc_dst = f"{root}/megatron_{name}"
+                    os.sync()
+                    _, t = run_worker(DST, flags, "--optimizer", "--load", "dist", "--load-dir", src[own[0]],
+                                      "--save", own[1], "--save-dir", mc_dst, "--logits-out",
+                                      f"{mc_dst}.logits.pt")
+                    megatron.append(t["load_dist"] + t[f"save_{own[1]}"])
+                    if i == 0 and own[1] == "legacy":  # megatron-core loads tenplex's output: same logits
+                        run_worker(DST, flags, "--optimizer", "--load", "legacy", "--load-dir", dst,
+                                   "--logits-out", f"{root}/tenplex.logits.pt")
+                        diff = logits_equal(f"{root}/tenplex.logits.pt", f"{mc_dst}.logits.pt")
+                        print(f"megatron-core loads tenplex's {name} output: logits max |diff| vs its own "
+                              f"load {diff:g}", flush=True)
+                    shutil.rmtree(mc_dst)
+                shutil.rmtree(dst)
+            wall, peak = statistics.median(walls), max(peaks)
+            r = results[name] = {"wall_s": round(wall, 2), "wall_runs_s": [round(w, 2) for w in walls],
+                                 "startup_s": round(startup, 2), "peak_rss_mb": round(peak, 1),
+                                 "baseline_rss_mb": round(baseline, 1),
                                  "over_bound": round((peak - baseline) * 2**20 / bound, 3),
-                                 "bound_mb": round(bound / 2**20, 1),
-                                 "bytes_written": json.loads(out.strip().splitlines()[-1])["bytes_written"],
-                                 "same_state": same_state(src[source], dst)}
+                                 "bound_mb": round(bound / 2**20, 1), "bytes_written": written,
+                                 "same_state": same}
             print(f"{name:17s} {wall:7.2f} s  peak RSS {peak:8.1f} MB (baseline {baseline:.0f}), bound "
-                  f"{bound / 2**20:8.1f} MB: {r['over_bound']:.3f}; same state {r['same_state']}", flush=True)
-            if own is not None:  # megatron-core's own load + save at the target
-                mc_dst = f"{root}/megatron_{name}"
-                _, t = run_worker(DST, flags, "--optimizer", "--load", "dist", "--load-dir", src[own[0]],
-                                  "--save", own[1], "--save-dir", mc_dst, "--logits-out", f"{mc_dst}.logits.pt")
-                mc = t["load_dist"] + t[f"save_{own[1]}"]
+                  f"{bound / 2**20:8.1f} MB: {r['over_bound']:.3f}; same state {same}", flush=True)
+            if megatron:
+                mc = statistics.median(megatron)
                 ratios[name] = round(wall / mc, 3)
                 r["megatron_load_save_s"] = round(mc, 2)
+                r["megatron_runs_s"] = [round(m, 2) for m in megatron]
                 r["tenplex_over_megatron_no_startup"] = round((wall - startup) / mc, 3)
                 print(f"{name:17s} megatron-core load + save at tp=1,pp=4: {mc:.2f} s; tenplex/megatron "
                       f"{ratios[name]:.2f} ({r['tenplex_over_megatron_no_startup']:.2f} without tenplex's "
-                      f"start-up, {startup:.2f} s)", flush=True)
-                if own[1] == "legacy":  # megatron-core loads tenplex's output too: same logits
-                    run_worker(DST, flags, "--optimizer", "--load", "legacy", "--load-dir", dst,
-                               "--logits-out", f"{root}/tenplex.logits.pt")
-                    diff = logits_equal(f"{root}/tenplex.logits.pt", f"{mc_dst}.logits.pt")
-                    print(f"megatron-core loads tenplex's {name} output: logits max |diff| vs its own "
-                          f"load {diff:g}", flush=True)
-                shutil.rmtree(mc_dst)
-            shutil.rmtree(dst)
+                      f"start-up, {startup:.2f} s); runs: tenplex {r['wall_runs_s']}, megatron-core "
+                      f"{r['megatron_runs_s']}", flush=True)
         worst = max(r["over_bound"] for r in results.values())
         ok = worst <= 1.0 and diff == 0.0 and all(r["same_state"] for r in results.values())
         print(json.dumps({"peak_rss_over_bound": worst, "tenplex_over_megatron": max(ratios.values()),
