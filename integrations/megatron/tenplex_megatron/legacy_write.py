@@ -35,7 +35,12 @@ from tenplex_megatron.legacy_grid import check_expert_files, legacy_writers, ran
 from tenplex_megatron.ptsave import save_streamed
 from tenplex_megatron.target import TargetBuilder, megatron_meta
 
-__all__ = ["write_legacy", "legacy_optimizer"]
+__all__ = ["write_legacy", "legacy_optimizer", "FILES_AT_ONCE"]
+
+FILES_AT_ONCE = 2
+"""Files written at once. Each writer holds what it writes and builds ahead (a byte budget, or
+one flat optimizer state), so two writers hold about twice one's memory; writing two files
+overlaps one file's page-cache copies and CRC-32s with the other's reads."""
 
 
 def legacy_optimizer(meta: dict, args) -> str | None:
@@ -106,17 +111,17 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         tmp = os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states()
-        written, files = 0, 0
+        jobs = []  # one per file, in rank order
         try:
             for (t, p, e), rank in sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
                 d = os.path.join(tmp, rank_dir_name(t, p, to.pp, e, to.ep))
                 os.makedirs(d)
-                written += _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d)
-                files += 1
+                jobs.append(lambda t=t, p=p, e=e, rank=rank, d=d: _write_rank(
+                    build, cfg, values, rng_states, optimizer, t, p, e, rank, d))
                 if optimizer == "distrib_optim":
-                    written += _distrib_optim(build, cfg, to, p, e, rank, dtypes,
-                                              os.path.join(d, "distrib_optim.pt"))
-                    files += 1
+                    jobs.append(lambda p=p, e=e, rank=rank, d=d: _distrib_optim(
+                        build, cfg, to, p, e, rank, dtypes, os.path.join(d, "distrib_optim.pt")))
+            written, files = _write_files(jobs), len(jobs)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -127,6 +132,18 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         os.replace(tracker, os.path.join(root, TRACKER))
         return {"bytes_written": written, "files": files, "padding": list(build.plan.padding),
                 "notes": values.notes}
+
+
+def _write_files(jobs: list) -> int:
+    """Run the file writers ``jobs``, :data:`FILES_AT_ONCE` at a time in order; the bytes written.
+
+    The first error is raised once the files being written have stopped; no later file starts."""
+    pool = ThreadPoolExecutor(FILES_AT_ONCE)
+    futures = [pool.submit(job) for job in jobs]
+    try:
+        return sum(future.result() for future in futures)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _placeholder(build, path: str, rank: int) -> torch.Tensor:

@@ -260,3 +260,32 @@ def test_conversions_keep_every_global_tensor(sources, opt_source, tmp_path_fact
     assert [p for p, _ in back.tree.tensors()] == [p for p, _ in source.tree.tensors()]
     for path, _ in source.tree.tensors():
         assert torch.equal(_global(source, path), _global(back, path)), path
+
+
+def test_a_read_error_mid_write_stops_every_writer_and_leaves_nothing(opt_source, tmp_path):
+    """Legacy files are written FILES_AT_ONCE at a time: when a source read fails while two files are
+    being written, the error reaches the caller, no later file starts, and no directory is left."""
+    from tenplex.errors import CorruptShardError
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex_megatron import legacy_write
+    from tenplex_megatron.plugin import LEGACY
+
+    source = _open(str(opt_source / "legacy"))
+    reads, real_read = [], source.read
+
+    def failing_read(record, *runs):
+        reads.append(record)
+        if len(reads) == 40:
+            raise CorruptShardError("injected: a bad byte range")
+        return real_read(record, *runs)
+
+    source.read = failing_read
+    started, real_rank = [], legacy_write._write_rank
+    legacy_write._write_rank = lambda *a: started.append(a[8]) or real_rank(*a)
+    try:
+        with pytest.raises(CorruptShardError, match="injected"):
+            LEGACY.write(source, str(tmp_path / "out"), ParallelConfig(tp=1, pp=4))
+    finally:
+        legacy_write._write_rank = real_rank
+    assert legacy_write.FILES_AT_ONCE >= 2 and len(started) < 4, started  # later ranks never started
+    assert os.listdir(tmp_path / "out") == []
