@@ -1,9 +1,9 @@
-"""Megatron-LM per-rank checkpoints, written one target rank file at a time.
+"""Megatron-LM per-rank checkpoints, written :data:`FILES_AT_ONCE` target files at a time.
 
 For each (tp, pp) rank of the target config, its local tensors are built
 from the source through the planner (:class:`~tenplex_megatron.target.TargetBuilder`),
 saved as ``mp_rank_TT[_PPP]/model_optim_rng.pt`` (and, for the distributed
-optimizer, ``distrib_optim.pt``), and dropped before the next rank. Each file
+optimizer, ``distrib_optim.pt``), and dropped once written. Each file
 is streamed (:func:`~tenplex_megatron.ptsave.save_streamed`): its tensors are
 built while the ones before them are written, so a writer holds the tensor
 it writes and those built ahead (a byte budget, or one flat optimizer state),

@@ -6,7 +6,7 @@ place: ``describe`` reads metadata only (pickles, DCP's ``.metadata``,
 ``common.pt``); ``open_source`` gives a shard source the planner and the
 store executor read by byte ranges; ``write`` writes any Megatron source
 (a tenplex store converted from Megatron, or a checkpoint of either
-format) one target file at a time; ``verify`` checks the files on disk.
+format) a few target files at a time; ``verify`` checks the files on disk.
 """
 
 from __future__ import annotations
