@@ -4,7 +4,7 @@
 :func:`tenplex_megatron.dcp_safe.read_metadata` (converted to torch's record
 classes by :func:`to_torch`, since DCP's planner uses them) and whose tensor
 items are loaded by :func:`tenplex_megatron.safe_load.load_tensor`. This
-module imports DCP (about 0.6 s); tenplex's own readers do not need it.
+module imports DCP (0.6-0.9 s of start-up); tenplex's own readers do not need it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ __all__ = ["SafeReader", "to_torch"]
 
 
 def to_torch(value: Any) -> Any:
-    """``value`` with every :mod:`tenplex_megatron.dcp_records` record (in dicts, lists and
-    tuples too) replaced by an equal instance of torch's class of the same name."""
+    """``value`` with every :mod:`tenplex_megatron.dcp_records` record (in dicts and lists
+    too) replaced by an equal instance of torch's class of the same name."""
     cls = type(value)
     if cls in TORCH_NAMES and dataclasses.is_dataclass(value):
         module, name = TORCH_NAMES[cls]
@@ -49,8 +49,8 @@ def to_torch(value: Any) -> Any:
 class SafeReader(FileSystemReader):
     """A ``FileSystemReader`` that unpickles nothing outside the allow-lists.
 
-    ``read_metadata`` is :func:`read_metadata` (checked once per reader, then
-    cached). ``read_data`` loads each tensor item through
+    ``read_metadata`` is :func:`~tenplex_megatron.dcp_safe.read_metadata` as
+    torch's records (checked once per reader, then cached). ``read_data`` loads each tensor item through
     :func:`~tenplex_megatron.safe_load.load_tensor` and checks its shape and
     dtype again; byte items are refused here (read them with
     :func:`~tenplex_megatron.dcp_safe.read_objects`): DCP's planner would load them with

@@ -3,7 +3,7 @@
 DCP pickles its ``Metadata`` with the classes of
 ``torch.distributed.checkpoint.metadata``, ``.filesystem`` and ``.planner``
 (torch 2.13). Importing those modules imports all of DCP and DTensor (about
-0.6 s of a CLI run that only reads a checkpoint), so the allow-listed
+0.6-0.9 s of a CLI run that only reads a checkpoint), so the allow-listed
 unpickler (:mod:`tenplex_megatron.dcp_safe`) builds these plain records
 instead, with the same field names, defaults and equality. :data:`TORCH_NAMES`
 maps each to the ``(module, name)`` a file names it by.
