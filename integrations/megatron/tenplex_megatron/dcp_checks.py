@@ -16,9 +16,10 @@ module checks that what they say is possible, before any byte is read:
   a huge tensor);
 - every tensor item is a ``torch.save`` archive whose pickle passes the
   tensor allow-list (:func:`tenplex_megatron.safe_load.tensor_header`) and
-  holds a tensor of its chunk's shape and dtype (DCP would cast a
-  different dtype silently). This reads each item's zip directory and
-  pickle, not its data: about 0.1 ms per item.
+  holds a row-major tensor of its chunk's shape and dtype (DCP would cast
+  a different dtype silently). This reads each item's zip directory and
+  pickle, not its data: about 0.1 ms per item. Where each tensor's data
+  lies is returned, so readers do not parse the item again.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tenplex.errors import CorruptShardError, ManifestError, PathError
 from tenplex_megatron.dcp_records import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                           MetadataIndex, StorageInfo, StorageMeta, TensorProperties,
                                           TensorStorageMetadata)
+from tenplex_megatron.ptfile import TensorRef, tensor_ref
 from tenplex_megatron.safe_load import (MAX_NDIM, FileView, open_regular, regular_file_size,
                                         tensor_header)
 
@@ -182,8 +184,9 @@ def _check_items(md: Metadata, root: str, what: str) -> None:
                                         f"bytes, its item has {info.length}")
 
 
-def _check_tensor_items(md: Metadata, root: str) -> None:
+def _check_tensor_items(md: Metadata, root: str) -> dict[MetadataIndex, TensorRef]:
     per_file: dict[str, list] = {}
+    refs = {}
     for key, item in md.state_dict_metadata.items():
         if type(item) is TensorStorageMetadata:
             for c in item.chunks:
@@ -196,14 +199,21 @@ def _check_tensor_items(md: Metadata, root: str) -> None:
             for key, item, c, info in sorted(items, key=lambda x: x[3].offset):
                 what = f"{path} [{key} at {tuple(c.offsets)}]"
                 # unbuffered (f.raw): read only the header bytes, not 8 KiB of read-ahead per item
-                dtype, shape = tensor_header(FileView(f.raw, info.offset, info.length), what)
+                header = tensor_header(FileView(f.raw, info.offset, info.length), what, locate=True)
+                dtype, shape = header[:2]
                 if shape != tuple(c.sizes) or dtype != item.properties.dtype:
                     raise CorruptShardError(f"{what}: the item holds a {shape} {dtype} tensor, the "
                                             f"metadata says {tuple(c.sizes)} {item.properties.dtype}")
+                refs[MetadataIndex(key, c.offsets)] = tensor_ref(path, info.offset, info.length, header, what)
+    return refs
 
 
-def check_metadata(md: Metadata, root: str, what: str) -> None:
+def check_metadata(md: Metadata, root: str, what: str) -> dict[MetadataIndex, TensorRef]:
     """Check unpickled DCP metadata against the files in ``root`` (see the module docstring).
+
+    Returns:
+        Where each tensor item's data lies: ``{MetadataIndex(key, chunk offsets): TensorRef}``
+        (found while checking its header, so a reader never parses it again).
 
     Raises:
         ManifestError: wrong field types, transforms, chunks outside their
@@ -213,10 +223,11 @@ def check_metadata(md: Metadata, root: str, what: str) -> None:
             item shorter than its chunk, a tensor item of another shape or dtype,
             or a byte object over :data:`MAX_OBJECT_BYTES`.
         UnsafePickleError: a tensor item whose pickle the tensor allow-list refuses.
+        ManifestError: also a tensor item that is not row-major or lies outside its blob.
     """
     _check_types(md, what)
     for key, item in md.state_dict_metadata.items():
         if type(item) is TensorStorageMetadata:
             _check_chunks(key, item, what)
     _check_items(md, root, what)
-    _check_tensor_items(md, root)
+    return _check_tensor_items(md, root)

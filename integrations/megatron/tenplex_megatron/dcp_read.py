@@ -4,12 +4,13 @@ A directory holds PyTorch DCP files (``.metadata``, ``__R_I.distcp``),
 ``common.pt`` (the non-sharded part: iteration, scheduler, optimizer param
 groups, args) and ``metadata.json``. :func:`describe_dist` reads only
 ``.metadata`` (through :mod:`tenplex_megatron.dcp_safe`'s allow-listed
-unpickler) and ``common.pt``, and checks every key against the model config
+unpickler), each tensor item's header and ``common.pt``, and checks every key against the model config
 (:mod:`tenplex_megatron.dcp_keys`): an unknown key, a missing one, or a
 shape or dtype other than the model's is an error. :class:`DistSource`
 reads a rank's local tensor from the DCP chunks that overlap it: each chunk
 is a ``torch.save`` blob at a recorded byte range of a ``.distcp`` file,
-whose tensor bytes :func:`tenplex_megatron.ptfile.load_refs` locates.
+whose tensor bytes were located when its header was checked
+(:func:`tenplex_megatron.ptfile.tensor_ref`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tenplex_megatron.dcp_buffers import chained, expected_flat
 from tenplex_megatron.dcp_keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
                                        expected_tensors, is_dist, known_extra_state, object_key)
 from tenplex_megatron.dcp_records import BytesStorageMetadata, TensorStorageMetadata
-from tenplex_megatron.dcp_safe import read_metadata, read_objects
+from tenplex_megatron.dcp_safe import read_checked, read_objects
 from tenplex_megatron.description import Description
 from tenplex_megatron.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.jsonable import to_jsonable
@@ -261,11 +262,13 @@ class FoundDist(NamedTuple):
         desc: the description.
         md: DCP's ``Metadata`` (read with the allow-listed unpickler).
         bytes_read: bytes read to describe it.
+        refs: where each tensor item's data lies, ``{MetadataIndex: TensorRef}``.
     """
 
     desc: Description
     md: Any
     bytes_read: int
+    refs: dict
 
 
 def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
@@ -285,7 +288,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         raise ConfigError(f"{root}: common.pt has no args; pass the model config "
                           "(--model-config FILE.json, see docs/megatron.md)")
     cfg = MegatronConfig.from_args(args, model_config)
-    md = read_metadata(root)
+    md, refs = read_checked(root)
     optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
     optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata, root)
     tp, pp = _grid(cfg, args, md, optim, root)
@@ -326,4 +329,4 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim,
                          "buffer_dtypes": list(dtypes) if dtypes else None,
                          "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
-    return FoundDist(Description(cfg, config, tree, values, meta), md, nbytes)
+    return FoundDist(Description(cfg, config, tree, values, meta), md, nbytes, refs)

@@ -42,7 +42,7 @@ from tenplex_megatron.dcp_records import (TORCH_NAMES, BytesStorageMetadata, Chu
 from tenplex_megatron.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.safe_load import MAX_NDIM, TORCH_DTYPES, open_regular, safe_load
 
-__all__ = ["read_objects", "read_metadata", "ALLOWED_GLOBALS"]
+__all__ = ["read_objects", "read_metadata", "read_checked", "ALLOWED_GLOBALS"]
 
 _EXTRA = {Metadata: {"all_local_plans", "mcore_data"}}  # set on Metadata by megatron-core; dropped
 _MEMORY_FORMATS = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
@@ -154,7 +154,17 @@ _PROFILE = Profile(
 
 
 def read_metadata(root: str) -> Metadata:
+    """Read and check ``root/.metadata`` (:func:`read_checked` without the tensors' places)."""
+    return read_checked(root)[0]
+
+
+def read_checked(root: str) -> tuple[Metadata, dict]:
     """Read and check ``root/.metadata``.
+
+    Returns:
+        ``(metadata, refs)``: ``refs`` is where each tensor item's data lies,
+        ``{MetadataIndex(key, chunk offsets): TensorRef}``
+        (:func:`tenplex_megatron.dcp_checks.check_metadata`).
 
     Raises:
         UnsafePickleError: the pickle names or does what the allow-list refuses.
@@ -162,7 +172,8 @@ def read_metadata(root: str) -> Metadata:
             (wrong types, chunks that overlap or leave a gap, a missing item).
         PathError: a ``relative_path`` that is not a file name inside ``root``.
         CorruptShardError: an item's bytes lie past its file's end, overlap
-            another item's, or are longer than the stated maxima.
+            another item's, or are longer than the stated maxima; a tensor item
+            of another shape or dtype than its chunk.
     """
     path = os.path.join(root, ".metadata")
     if not os.path.lexists(path):
@@ -177,10 +188,10 @@ def read_metadata(root: str) -> Metadata:
         raise ManifestError(f"{path}: not DCP metadata (the pickle holds a {type(md).__name__})")
     for name in _EXTRA[Metadata]:
         md.__dict__.pop(name, None)
-    check_metadata(md, root, path)
+    refs = check_metadata(md, root, path)
     if md.storage_meta is None:
         md.storage_meta = StorageMeta()
-    return md
+    return md, refs
 
 
 def read_objects(root: str, md: Metadata, prefix: str = "") -> dict:

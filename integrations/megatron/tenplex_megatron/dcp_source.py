@@ -5,8 +5,9 @@ blob at a recorded byte range of a ``.distcp`` file
 (``Metadata.storage_data[MetadataIndex(key, offsets)]``). For a rank's
 local tensor, :class:`DistSource` intersects each of its pieces with the
 chunks of its DCP key and reads, per intersection, only the contiguous run
-of the chunk's bytes that covers it. A chunk's blob is opened once (its zip
-directory and pickle: a few KB) to find where its tensor bytes start.
+of the chunk's bytes that covers it. Where a chunk's tensor bytes start was
+found when the metadata was checked (its blob's zip directory and pickle: a
+few KB, parsed once: :func:`tenplex_megatron.dcp_checks.check_metadata`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tenplex_megatron.dcp_records import MetadataIndex
 from tenplex_megatron.dcp_safe import read_objects
 from tenplex_megatron.jsonable import to_jsonable
 from tenplex_megatron.layouts import spec_of
-from tenplex_megatron.ptfile import TensorRef, locate_tensor, read_runs
+from tenplex_megatron.ptfile import TensorRef, read_runs
 from tenplex_megatron.source import MegatronSource
 from tenplex_megatron.tied import check_tied
 
@@ -63,7 +64,7 @@ class DistSource(MegatronSource):
         self.count(found.bytes_read)
         self._chunk_lock = threading.Lock()
         self._chunks: dict[str, dict] = {}
-        self._refs: dict[tuple[str, int], TensorRef] = {}
+        self._refs: dict[MetadataIndex, TensorRef] = found.refs
 
     # -- where a local tensor lies ----------------------------------------------------
     def locate(self, path: str, coord: Coord) -> DcpRecord:
@@ -103,32 +104,21 @@ class DistSource(MegatronSource):
         if index is None:
             item = self.md.state_dict_metadata[key]
             index = {}
-            for i, chunk in enumerate(item.chunks):
+            for chunk in item.chunks:
                 box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
                 index.setdefault(box.offsets[0] if box.sizes and box.sizes[0] == 1 else None,
-                                 []).append((i, box))
+                                 []).append(box)
             with self._chunk_lock:
                 self._chunks[key] = index
         return index
 
-    def _chunk_ref(self, key: str, i: int, box: Box, dtype: torch.dtype) -> TensorRef:
-        ref = self._refs.get((key, i))
-        if ref is not None:
-            return ref
-        info = self.md.storage_data.get(MetadataIndex(key, box.offsets))
-        if info is None:
-            raise ManifestError(f"{self.root}/.metadata: chunk {box} of {key} has no storage record")
-        if getattr(info, "transform_descriptors", None):
-            raise ManifestError(f"{self.root}: chunk {box} of {key} is stored with transforms "
-                                f"{list(info.transform_descriptors)}; tenplex reads plain chunks")
-        path = chunk_path(self.root, info.relative_path)
-        ref, n = locate_tensor(path, int(info.offset), int(info.length), f"{path} [{key} {box}]")
-        self.count(n)
-        if not isinstance(ref, TensorRef) or ref.shape != box.sizes or ref.dtype != dtype:
-            raise ManifestError(f"{path}: chunk {box} of {key} holds {ref!r:.120}; the metadata says "
-                                f"{list(box.sizes)} {dtype}")
-        with self._chunk_lock:
-            self._refs[(key, i)] = ref
+    def _chunk_ref(self, key: str, box: Box, dtype: torch.dtype) -> TensorRef:
+        ref = self._refs.get(MetadataIndex(key, box.offsets))
+        if ref is None:
+            raise ManifestError(f"{self.root}/.metadata: chunk {box} of {key} has no tensor item")
+        if ref.shape != box.sizes or ref.dtype != dtype:
+            raise ManifestError(f"{ref.file}: chunk {box} of {key} holds a {list(ref.shape)} {ref.dtype} "
+                                f"tensor; the model expects {list(box.sizes)} {dtype}")
         return ref
 
     def fetch(self, rec: DcpRecord, starts, ends) -> tuple[torch.Tensor, int]:
@@ -142,28 +132,27 @@ class DistSource(MegatronSource):
         n_pre = len(rec.prefix)
         for piece in rec.pieces:
             gbox = Box(rec.prefix + piece.box.offsets, (1,) * n_pre + piece.box.sizes)
-            for i, chunk in candidates:
+            for chunk in candidates:
                 inter = intersect(gbox, chunk)
                 if inter is None:
                     continue
                 local = relative(Box(inter.offsets[n_pre:], inter.sizes[n_pre:]), piece.box)
                 if runs is not None and not _overlaps(piece, local, itemsize, runs):
                     continue
-                ref = self._chunk_ref(rec.key, i, chunk, rec.dtype)
+                ref = self._chunk_ref(rec.key, chunk, rec.dtype)
                 total += _fill(out, piece, local, ref, relative(inter, chunk), chunk.sizes)
         return out, total
 
     def chunk_ref(self, key: str, box: Box, dtype: torch.dtype) -> TensorRef:
-        """Where the tensor bytes of chunk ``box`` of ``key`` lie (its blob's header is read once).
+        """Where the tensor bytes of chunk ``box`` of ``key`` lie (found when the metadata was
+        checked: :func:`tenplex_megatron.dcp_checks.check_metadata`).
 
         Raises:
-            ManifestError: no such chunk, or a blob that does not hold it.
+            ManifestError: no such chunk, or one that does not hold a ``dtype`` tensor of its size.
         """
-        for group in self._chunk_index(key).values():
-            for i, chunk in group:
-                if chunk == box:
-                    return self._chunk_ref(key, i, chunk, dtype)
-        raise ManifestError(f"{self.root}/.metadata: {key} has no chunk {box}")
+        if not any(box in group for group in self._chunk_index(key).values()):
+            raise ManifestError(f"{self.root}/.metadata: {key} has no chunk {box}")
+        return self._chunk_ref(key, box, dtype)
 
     def fetch_chunk(self, key: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
         """The whole stored chunk ``box`` of ``key``."""

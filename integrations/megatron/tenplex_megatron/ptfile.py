@@ -29,7 +29,7 @@ from tenplex.errors import ManifestError
 
 from tenplex_megatron.safe_load import FileView, load_meta, open_regular, tensor_header
 
-__all__ = ["TensorRef", "Window", "load_refs", "locate_tensor", "read_runs", "GAP"]
+__all__ = ["TensorRef", "Window", "load_refs", "locate_tensor", "tensor_ref", "read_runs", "GAP"]
 
 GAP = 1 << 18
 """Byte runs closer than this (256 KiB) are read in one request."""
@@ -198,7 +198,18 @@ def locate_tensor(path: str, start: int, length: int, what: str) -> tuple[Tensor
     except FileNotFoundError:
         raise ManifestError(f"{path}: the file is missing") from None
     with window:
-        dtype, shape, stride, first = tensor_header(window, what, locate=True)
+        header = tensor_header(window, what, locate=True)
+    return tensor_ref(path, start, length, header, what), window.bytes_read
+
+
+def tensor_ref(path: str, start: int, length: int, header: tuple, what: str) -> TensorRef:
+    """The :class:`TensorRef` of a blob at bytes ``[start, start + length)`` of ``path`` from its
+    ``tensor_header(..., locate=True)``: ``(dtype, shape, stride, first byte in the blob)``.
+
+    Raises:
+        ManifestError: the tensor is not row-major, or lies outside the blob.
+    """
+    dtype, shape, stride, first = header
     step, nbytes = 1, prod(shape) * dtype.itemsize
     for n, got in zip(reversed(shape), reversed(stride)):
         if n > 1 and got != step:
@@ -208,7 +219,7 @@ def locate_tensor(path: str, start: int, length: int, what: str) -> tuple[Tensor
     if first < 0 or first + nbytes > length:
         raise ManifestError(f"{what}: a {list(shape)} {dtype} tensor at byte {start + first} runs past "
                             f"the end of its data ({start + length}); the file is truncated or lies")
-    return TensorRef(path, start + first, tuple(shape), dtype), window.bytes_read
+    return TensorRef(path, start + first, tuple(shape), dtype)
 
 
 def _to_refs(obj: Any, path: str, start: int, end: int, what: str) -> Any:
