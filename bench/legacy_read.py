@@ -3,14 +3,14 @@
 Issue 11 suggests ``torch.load(mmap=True, weights_only=True)`` for Megatron-LM
 legacy files. tenplex instead loads each file's pickle on the meta device
 (after its restricted unpickler) and reads each tensor's bytes by range
-(:mod:`tenplex_megatron.ptfile`). This script reads every tensor of every
+(:mod:`tenplex_megatron.torchfiles.ptfile`). This script reads every tensor of every
 ``.pt`` file of a legacy checkpoint both ways, each file in a fresh process
 with the file already in the page cache, and materializes each tensor once
 (as a conversion's target needs it) before dropping it:
 
-- ``ranges``: :func:`~tenplex_megatron.ptfile.load_refs`, then
+- ``ranges``: :func:`~tenplex_megatron.torchfiles.ptfile.load_refs`, then
   :meth:`TensorRef.read` per tensor (``readinto`` a fresh buffer);
-- ``mmap``: :func:`~tenplex_megatron.safe_load.safe_load` with ``mmap=True``
+- ``mmap``: :func:`~tenplex_megatron.torchfiles.safe_load.safe_load` with ``mmap=True``
   (the same restricted unpickler first, then ``torch.load(mmap=True,
   weights_only=True)``), then ``clone()`` per tensor.
 
@@ -31,8 +31,8 @@ import sys
 
 _CHILD = """
 import json, resource, sys, time, torch
-from tenplex_megatron.ptfile import TensorRef, load_refs
-from tenplex_megatron.safe_load import safe_load
+from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs
+from tenplex_megatron.torchfiles.safe_load import safe_load
 method, path = sys.argv[1], sys.argv[2]
 def leaves(obj):
     if isinstance(obj, dict):

@@ -79,12 +79,12 @@ WORKER = ROOT / "integrations" / "megatron" / "tests" / "mcore_worker.py"
 SRC, DST = (2, 2), (1, 4)  # (tp, pp)
 TARGET = "dp=1,tp=1,pp=4"
 _IMPORTS = ("import tenplex.cli.main as m; m.build_parser(); import tenplex.cli.commands, tenplex.api, "
-            "tenplex_megatron.legacy, tenplex_megatron.legacy_write")
+            "tenplex_megatron.formats.legacy.read, tenplex_megatron.formats.legacy.write")
 BASELINE = {  # what a run imports: DCP's reader records are tenplex's own; its writer's are torch's
     "legacy": _IMPORTS,
-    "read_dist": _IMPORTS + ", tenplex_megatron.dcp_source",
-    "write_dist": _IMPORTS + ", tenplex_megatron.dcp_source, tenplex_megatron.dist_write, "
-                             "tenplex_megatron.dist_direct"}
+    "read_dist": _IMPORTS + ", tenplex_megatron.formats.dist.source",
+    "write_dist": _IMPORTS + ", tenplex_megatron.formats.dist.source, tenplex_megatron.formats.dist.write, "
+                             "tenplex_megatron.formats.dist.direct"}
 CASES = {  # name: (source dir, --format, megatron's own comparison: (source dir, save kind) or None)
     "legacy_to_legacy": ("legacy", "megatron-legacy", None),
     "legacy_to_dist": ("legacy", "megatron-dist", None),
@@ -154,7 +154,7 @@ def tenplex_exe() -> list[str]:
 _INSPECT = """
 import contextlib, io, json, sys, time
 from tenplex.cli import commands, formats
-import tenplex_megatron.legacy, tenplex_megatron.dcp_read  # what inspect imports, loaded before timing
+import tenplex_megatron.formats.legacy.read, tenplex_megatron.formats.dist.read  # what inspect imports, loaded before timing
 formats.formats()
 def rchar():
     with open("/proc/self/io") as f:
@@ -190,7 +190,7 @@ def same_state(a: str, b: str) -> bool:
 import sys, torch
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import assemble
-from tenplex_megatron.plugin import LEGACY, DIST
+from tenplex_megatron.formats.plugin import LEGACY, DIST
 def src(p):
     return (LEGACY if LEGACY.detect(p) else DIST).open_source(p)
 def leaf(s, path):

@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from tenplex.ptree import ParallelConfig
 from tenplex_megatron import live
-from tenplex_megatron.config import MegatronConfig
+from tenplex_megatron.model.config import MegatronConfig
 
 SCHEDULE = [("dp=2,tp=2,pp=1", 4), ("dp=1,tp=1,pp=2", 4), ("dp=1,tp=2,pp=2", 4), ("dp=4,tp=1,pp=1", 4)]
 VOCAB, SEQ, GLOBAL_BATCH, MICRO_BATCH, LR = 128, 32, 8, 2, 3e-3

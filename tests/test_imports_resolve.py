@@ -80,8 +80,8 @@ def test_every_imported_name_and_module_attribute_exists():
 def test_the_check_sees_a_missing_name(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from tenplex.errors import NoSuchError\nimport tenplex.units as u\n"
-                     "def f():\n    from tenplex_megatron import rng\n    return rng.encode, u.no_such\n")
+                     "def f():\n    from tenplex_megatron.model import rng\n    return rng.encode, u.no_such\n")
     got = _problems(probe)
     assert len(got) == 3 and "NoSuchError" in got[0], got
-    assert {"module tenplex_megatron.rng has no 'encode'", "module tenplex.units has no 'no_such'"} == \
+    assert {"module tenplex_megatron.model.rng has no 'encode'", "module tenplex.units has no 'no_such'"} == \
         {g.split(": ", 1)[1] for g in got[1:]}, got

@@ -53,7 +53,7 @@ def megatron_ranges(cfg_json: dict, config_json: dict, stage: int, ddp: dict) ->
     from tenplex.ptree.config import ParallelConfig
     from tenplex.ptree.sharding import Sharding
     from tenplex.ptree.tree import PTree, torch_dtype
-    from tenplex_megatron.config import MegatronConfig
+    from tenplex_megatron.model.config import MegatronConfig
     from tenplex_megatron.live.params import stage_params
 
     cfg, config = MegatronConfig.from_json(cfg_json), ParallelConfig.from_json(config_json)
@@ -92,7 +92,7 @@ def spec_from_ddp(cfg_json: dict, ddp: dict) -> dict:
 
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from tenplex_megatron.config import MegatronConfig
+    from tenplex_megatron.model.config import MegatronConfig
     from tenplex_megatron.live.spec import LiveSpec
 
     spec = LiveSpec.from_ddp_config(MegatronConfig.from_json(cfg_json), DistributedDataParallelConfig(**ddp))

@@ -17,7 +17,7 @@ import torch
 from tenplex.ptree.config import ParallelConfig
 from tenplex.transform.comm import TorchComm
 
-from tenplex_megatron.config import MegatronConfig
+from tenplex_megatron.model.config import MegatronConfig
 
 MODEL = MegatronConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
                        make_vocab_size_divisible_by=64, untie_embeddings_and_output_weights=True,

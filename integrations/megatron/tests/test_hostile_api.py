@@ -28,12 +28,13 @@ from hostile_pickles import pt_records
 from tenplex.cli.convert import write_store
 from tenplex.errors import TenplexError
 from tenplex.ptree.config import ParallelConfig
-from tenplex_megatron import dcp_safe, safe_load as safe_load_module
-from tenplex_megatron.dcp_load import SafeReader, to_torch
-from tenplex_megatron.dcp_safe import read_metadata, read_objects
-from tenplex_megatron.dist_direct import reshard_dist
-from tenplex_megatron.plugin import DIST, LEGACY
-from tenplex_megatron.safe_load import safe_load
+from tenplex_megatron.dcp import safe as dcp_safe
+from tenplex_megatron.torchfiles import safe_load as safe_load_module
+from tenplex_megatron.dcp.load import SafeReader, to_torch
+from tenplex_megatron.dcp.safe import read_metadata, read_objects
+from tenplex_megatron.formats.dist.direct import reshard_dist
+from tenplex_megatron.formats.plugin import DIST, LEGACY
+from tenplex_megatron.torchfiles.safe_load import safe_load
 
 
 def _read_all(fmt: str, path: str, out: str) -> None:

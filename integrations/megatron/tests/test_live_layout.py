@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
-from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.layouts import optimizer_path
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.layouts import optimizer_path
 from tenplex_megatron.live.spec import LiveSpec, megatron_dp_ranges
 
 import live_oracle

@@ -9,8 +9,8 @@ import pytest
 
 from tenplex.ptree.config import ParallelConfig
 
-from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.dcp_buffers import expected_flat, flat_index, optimizer_buffers
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.formats.dist.buffers import expected_flat, flat_index, optimizer_buffers
 
 MOE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
            swiglu=True, vocab_size=128, make_vocab_size_divisible_by=16, add_bias_linear=False,

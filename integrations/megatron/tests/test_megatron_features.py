@@ -5,7 +5,7 @@ import pytest
 from inprocess_cli import tenplex
 from mcore_checkpoint import rng_digest
 from mcore_helpers import MODELS, logits, rng_lines, run_worker
-from tenplex_megatron.rng import derive
+from tenplex_megatron.model.rng import derive
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -48,7 +48,7 @@ def _check_rng(saved: dict, loaded: dict, stderr: str) -> None:
 def test_torch_dist_rng_state_is_keyed_by_the_new_grid(qk_source, tmp_path, src_fmt):
     """A torch_dist output holds rng_state/shard_<pp>.<tp>_<PP>.<TP> for the target grid only
     (the direct dist copy re-keys it; the planner path writes it per target coordinate)."""
-    from tenplex_megatron.dcp_read import describe_dist
+    from tenplex_megatron.formats.dist.read import describe_dist
 
     source, _ = qk_source
     out = tmp_path / "out"

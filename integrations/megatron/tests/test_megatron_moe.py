@@ -91,8 +91,8 @@ def test_grouped_gemm_names_are_read_kept_and_converted(moe_sources, tmp_path):
     the source's scheme unless asked; a file mixing both schemes is refused."""
     import shutil
     from tenplex.ptree.config import ParallelConfig
-    from tenplex_megatron.legacy import open_legacy
-    from tenplex_megatron.legacy_write import write_legacy
+    from tenplex_megatron.formats.legacy.read import open_legacy
+    from tenplex_megatron.formats.legacy.write import write_legacy
 
     source, _ = moe_sources(2, "--ep 2")
     grouped = tmp_path / "grouped"

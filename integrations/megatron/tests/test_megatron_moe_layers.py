@@ -79,9 +79,9 @@ def test_expected_keys_follow_the_layer_pattern():
     puts experts on every layer; stacked keys otherwise."""
     from tenplex.ptree.config import ParallelConfig
     from tenplex.ptree.sharding import Sharding
-    from tenplex_megatron.config import MegatronConfig
-    from tenplex_megatron.dcp_keys import expected_tensors, extra_state_objects, known_extra_state
-    from tenplex_megatron.layouts import megatron_tree
+    from tenplex_megatron.model.config import MegatronConfig
+    from tenplex_megatron.formats.dist.keys import expected_tensors, extra_state_objects, known_extra_state
+    from tenplex_megatron.model.layouts import megatron_tree
 
     base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
                 ffn_hidden_size=96, swiglu=True, make_vocab_size_divisible_by=16, normalization="RMSNorm",

@@ -7,9 +7,9 @@ import pytest
 from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
 
-from tenplex_megatron.config import MegatronConfig, args_for
-from tenplex_megatron.flatbuf import buffer_layout
-from tenplex_megatron.layouts import chunk_keys, extra_state_keys, megatron_tree, param_order
+from tenplex_megatron.model.config import MegatronConfig, args_for
+from tenplex_megatron.model.flatbuf import buffer_layout
+from tenplex_megatron.model.layouts import chunk_keys, extra_state_keys, megatron_tree, param_order
 
 MOE = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
            swiglu=True, vocab_size=128, make_vocab_size_divisible_by=16, add_bias_linear=False,

@@ -87,8 +87,8 @@ def test_legacy_megatron_lm_names_are_read(sources, tmp_path):
     """Rename a real checkpoint's keys to Megatron-LM's legacy model names; it reshards the same."""
     import shutil
     from tenplex.ptree.config import ParallelConfig
-    from tenplex_megatron.config import MegatronConfig
-    from tenplex_megatron.layouts import rank_keys
+    from tenplex_megatron.model.config import MegatronConfig
+    from tenplex_megatron.model.layouts import rank_keys
 
     source = sources("mha", 2, 1)
     legacy = tmp_path / "legacy-names"

@@ -215,7 +215,7 @@ def opt_source(tmp_path_factory):
 
 def _open(path: str):
     from tenplex.store.reader import StoreReader
-    from tenplex_megatron.plugin import DIST, LEGACY
+    from tenplex_megatron.formats.plugin import DIST, LEGACY
 
     for plugin in (LEGACY, DIST):
         if plugin.detect(path):
@@ -245,7 +245,7 @@ def test_conversions_keep_every_global_tensor(sources, opt_source, tmp_path_fact
     state, logical rows) is bit-for-bit the source's, read back through tenplex's readers."""
     from tenplex.cli.convert import write_store
     from tenplex.ptree.config import ParallelConfig
-    from tenplex_megatron.plugin import DIST, LEGACY
+    from tenplex_megatron.formats.plugin import DIST, LEGACY
 
     model, kind = src.split("/")
     root = str((sources("mha", 2, 2) if model == "mha" else opt_source) / kind)
@@ -267,8 +267,8 @@ def test_a_read_error_mid_write_stops_every_writer_and_leaves_nothing(opt_source
     being written, the error reaches the caller, no later file starts, and no directory is left."""
     from tenplex.errors import CorruptShardError
     from tenplex.ptree.config import ParallelConfig
-    from tenplex_megatron import legacy_write
-    from tenplex_megatron.plugin import LEGACY
+    from tenplex_megatron.formats.legacy import write as legacy_write
+    from tenplex_megatron.formats.plugin import LEGACY
 
     source = _open(str(opt_source / "legacy"))
     reads, real_read = [], source.read

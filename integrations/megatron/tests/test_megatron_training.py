@@ -48,8 +48,8 @@ def test_bf16_two_more_steps_match_after_reshard(tmp_path):
     (param_dtype, grad_dtype) = (bfloat16, float32). Both distrib_optim.pt and dp_reshardable are
     resharded to another pp (bf16 arithmetic is then the same) and loaded by megatron-core; the next
     two losses equal those of the run that saved it, going on uninterrupted."""
-    from tenplex_megatron.dcp_read import describe_dist
-    from tenplex_megatron.legacy import describe_legacy
+    from tenplex_megatron.formats.dist.read import describe_dist
+    from tenplex_megatron.formats.legacy.read import describe_legacy
 
     flags = FLAGS + " --bf16"
     src = tmp_path / "src"

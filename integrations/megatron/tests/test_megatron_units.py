@@ -8,11 +8,11 @@ import torch
 
 from tenplex.errors import ConfigError, CorruptShardError, ManifestError
 from tenplex.ptree.config import ParallelConfig
-from tenplex_megatron.config import MegatronConfig, stage_layers, uneven_args
-from tenplex_megatron.jsonable import from_jsonable, to_jsonable
-from tenplex_megatron.layouts import megatron_tree, param_specs, rank_keys
-from tenplex_megatron.rng import derive
-from tenplex_megatron.safe_load import safe_load
+from tenplex_megatron.model.config import MegatronConfig, stage_layers, uneven_args
+from tenplex_megatron.torchfiles.jsonable import from_jsonable, to_jsonable
+from tenplex_megatron.model.layouts import megatron_tree, param_specs, rank_keys
+from tenplex_megatron.model.rng import derive
+from tenplex_megatron.torchfiles.safe_load import safe_load
 
 CFG = MegatronConfig(num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                      ffn_hidden_size=96, swiglu=True, vocab_size=100, make_vocab_size_divisible_by=16,
@@ -98,7 +98,7 @@ def test_derived_rng_states_fit_their_generators():
     (seed, offset 0) states, which a CPU generator refuses (torch's CUDAGeneratorImpl::get_state)."""
     import struct
 
-    from tenplex_megatron.rng import device_kind
+    from tenplex_megatron.model.rng import device_kind
 
     base = 1234 + 100 * 2
     cpu = derive(1234, tp_rank=1, pp_rank=2, kind="cpu")
@@ -121,7 +121,7 @@ def test_derived_rng_states_fit_their_generators():
 def test_tracker_names_are_megatron_cores():
     from megatron.core.tensor_parallel import random as mrandom
 
-    from tenplex_megatron.rng import TRACKER_NAMES
+    from tenplex_megatron.model.rng import TRACKER_NAMES
 
     names = {mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, mrandom._DATA_PARALLEL_RNG_TRACKER_NAME,
              mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME}
@@ -129,7 +129,7 @@ def test_tracker_names_are_megatron_cores():
 
 
 def test_rng_states_are_kept_by_coordinate_and_derived_where_new():
-    from tenplex_megatron.rng import fill_states
+    from tenplex_megatron.model.rng import fill_states
 
     kept = [derive(7, 0, 0, kind="cpu")]
     states, notes = fill_states({"tp=0,pp=0": kept, "tp=1,pp=0": None}, [(0, 0), (1, 0)], 2, seed=7,
@@ -160,7 +160,7 @@ def test_jsonable_round_trips_exactly():
 def test_tensor_refs_read_only_what_is_asked(tmp_path):
     import numpy as np
 
-    from tenplex_megatron.ptfile import load_refs
+    from tenplex_megatron.torchfiles.ptfile import load_refs
 
     w = torch.randn(1024, 256)  # 1 MiB: the two runs below lie more than ptfile.GAP apart
     torch.save({"w": w, "args": argparse.Namespace(x=1)}, tmp_path / "a.pt")
@@ -187,7 +187,7 @@ def test_dcp_records_mirror_torch_classes():
     import enum
     import importlib
 
-    from tenplex_megatron.dcp_records import TORCH_NAMES, MetadataIndex
+    from tenplex_megatron.dcp.records import TORCH_NAMES, MetadataIndex
 
     def default(f):
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

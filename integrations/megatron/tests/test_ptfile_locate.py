@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tenplex.errors import CorruptShardError, ManifestError, UnsafePickleError
-from tenplex_megatron.ptfile import load_refs, locate_tensor
+from tenplex_megatron.torchfiles.ptfile import load_refs, locate_tensor
 
 
 def _blob(obj) -> bytes:

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from tenplex_megatron.ptsave import save_streamed
+from tenplex_megatron.torchfiles.ptsave import save_streamed
 
 
 def _state(seed: int):

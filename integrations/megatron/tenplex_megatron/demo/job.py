@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import torch_dtype
 
-from tenplex_megatron.config import MegatronConfig
+from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.live.change import Parts
 from tenplex_megatron.live.spec import LiveSpec
 

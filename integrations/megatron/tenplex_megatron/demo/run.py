@@ -18,8 +18,8 @@ from dataclasses import asdict
 
 from tenplex.ptree.config import ParallelConfig
 
-from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.layouts import megatron_tree
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.layouts import megatron_tree
 from tenplex_megatron.demo.schedule import DEFAULT_SCHEDULE, Phase, capacity, check_schedule, parse_schedule
 
 __all__ = ["main", "build_parser", "run_demo"]

@@ -50,7 +50,7 @@ def run_worker(process: int, port: int, runs: list, cfg_json: dict, opts_json: d
 def _run_all(process, port, runs, cfg_json, opts_json, corpus_bytes, queue, where: dict) -> None:
     import torch.distributed as dist
 
-    from tenplex_megatron.config import MegatronConfig
+    from tenplex_megatron.model.config import MegatronConfig
     from tenplex_megatron.demo.data import load_corpus
     from tenplex_megatron.demo.job import JobOptions
     from tenplex_megatron.live.group import Membership

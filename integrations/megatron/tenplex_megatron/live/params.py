@@ -2,7 +2,7 @@
 
 megatron-core's ``GPTModel`` (local layer spec) names its parameters with
 stage-local layer indices (``decoder.layers.0...`` on every stage); the tree
-uses global ones (:func:`tenplex_megatron.layouts.param_specs`). On stage
+uses global ones (:func:`tenplex_megatron.model.layouts.param_specs`). On stage
 ``s`` the layers are ``[first_layer(s), first_layer(s) + layers_per_stage[s])``
 (megatron-core's ``get_transformer_layer_offset`` for an even split).
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from tenplex.errors import ShardError
 from tenplex.ptree.config import ParallelConfig
 
-from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.layouts import ParamSpec, param_specs
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.layouts import ParamSpec, param_specs
 
 __all__ = ["StageParam", "stage_params", "named_params"]
 

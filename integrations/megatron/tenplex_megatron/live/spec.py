@@ -35,8 +35,8 @@ from tenplex.ptree.layout import DPShard, FlatBuffer
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
 
-from tenplex_megatron.config import MegatronConfig
-from tenplex_megatron.layouts import optimizer_path, param_specs
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.layouts import optimizer_path, param_specs
 from tenplex_megatron.live.params import stage_params
 
 __all__ = ["LiveSpec", "megatron_dp_ranges", "VALUES", "MOMENTS"]

@@ -19,8 +19,8 @@ from tenplex.errors import ConfigError, ShardError
 from tenplex.ptree.config import Coord, ParallelConfig
 from tenplex.ptree.sharding import Sharding
 
-from tenplex_megatron.jsonable import from_jsonable, to_jsonable
-from tenplex_megatron.layouts import optimizer_path
+from tenplex_megatron.torchfiles.jsonable import from_jsonable, to_jsonable
+from tenplex_megatron.model.layouts import optimizer_path
 from tenplex_megatron.live.optim import slots
 from tenplex_megatron.live.params import named_params
 from tenplex_megatron.live.spec import MOMENTS, LiveSpec

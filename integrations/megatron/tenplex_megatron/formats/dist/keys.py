@@ -1,0 +1,176 @@
+"""The keys of a megatron-core ``torch_dist`` checkpoint, and what each must hold.
+
+Tensors are global (model space), layers stacked on a leading axis, or
+keyed one by one (``decoder.layers.<l>.*``) when ``moe_layer_freq`` mixes
+dense and MoE layers (:func:`dist_key`); norms under TE-style names
+(:mod:`tenplex_megatron.model.layouts`). Optimizer state is
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` (``fully_reshardable``)
+or flat buffers per model-parallel rank and bucket (``dp_reshardable``,
+:mod:`tenplex_megatron.model.flatbuf`). Byte objects are megatron-core
+``ShardedObject`` s, stored under ``<key>/shard_<offset>_<shape>``
+(``dist_checkpointing/mapping.py::ShardedObject.unique_key``):
+``<linear>._extra_state/shard_<layer>_<L>`` (:func:`extra_state_objects`), Megatron-LM's
+``rng_state/shard_<pp>.<tp>_<PP>.<TP>`` and the ``dp_reshardable``
+bookkeeping objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from functools import lru_cache
+
+from tenplex.errors import TenplexError
+from tenplex.ptree.sharding import Sharding
+
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.layouts import OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
+from tenplex_megatron.torchfiles.safe_load import open_regular
+
+__all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+           "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
+           "known_extra_state", "dist_key"]
+
+FLAT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                      r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
+OBJECT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
+EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)(?:\.(\d+))?_(\d+)(?:\.(\d+))?$")
+"""``<module>._extra_state/shard_<layer>[.<expert>]_<L>[.<E>]`` (experts stacked on a second axis)."""
+RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
+DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
+
+
+def is_dist(root: str) -> bool:
+    """Whether ``root`` is a ``torch_dist`` directory (its ``metadata.json`` says so)."""
+    try:
+        f, _ = open_regular(os.path.join(root, "metadata.json"), "metadata.json")
+        with f:
+            return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError, TenplexError):
+        return False
+
+
+def flat_key(m: int, bucket: int, state: str, dtypes, gbuf: int = 0) -> str:
+    """The DCP key of one ``dp_reshardable`` bucket: ``dp_group_idx`` ``m``, buffer ``gbuf``, ``bucket``,
+    ``state`` (without a ``chained_<i>.`` prefix; see :mod:`tenplex_megatron.formats.dist.buffers`)."""
+    return (f"optimizer.distributed.dp_group_idx_{m}.gbuf_idx_{gbuf}.dtype_({dtypes[0]}, {dtypes[1]})."
+            f"bucket_idx_{bucket}.{state}")
+
+
+def object_key(m: int, name: str) -> str:
+    return f"optimizer.distributed.dp_group_idx_{m}.{name}/shard_0_1"
+
+
+def rng_key(tp_rank: int, pp_rank: int, tp: int, pp: int) -> str:
+    """Megatron-LM's ``ShardedObject('rng_state', ..., (pp, tp), (pp_rank, tp_rank))`` key."""
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def dist_key(cfg: MegatronConfig, spec: ParamSpec) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The DCP key of ``spec``'s tensor, its leading coordinates in it and their sizes.
+
+    A layer's tensor is stacked on a leading layer axis (``decoder.layers.mlp.linear_fc1.weight``,
+    coordinate ``(layer,)`` of ``num_layers``), or keyed by its global layer
+    (``decoder.layers.3.mlp.linear_fc1.weight``, no layer axis) when
+    :attr:`MegatronConfig.dist_per_layer`. An expert's tensor is then stacked on a global
+    expert axis (coordinate ``expert`` of ``num_moe_experts``), as megatron-core's
+    ``SequentialMLP.sharded_state_dict`` prepends it.
+    """
+    key, lead, sizes = spec.dist, (), ()
+    if spec.layer is not None:
+        if cfg.dist_per_layer:
+            key = f"decoder.layers.{spec.layer}.{key.removeprefix('decoder.layers.')}"
+        else:
+            lead, sizes = (spec.layer,), (cfg.num_layers,)
+    if spec.expert is not None:
+        lead, sizes = lead + (spec.expert,), sizes + (cfg.num_moe_experts,)
+    return key, lead, sizes
+
+
+def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
+                     ) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
+    """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
+
+    Optimizer state is ``optimizer.state.<state>.<key>``: Adam's moments and fp32 main
+    params (``optim="fully_reshardable"``), or the moments alone for a non-distributed
+    optimizer over fp32 params (``optim="adam"``, megatron-core ``FP32Optimizer``: the
+    main params are the model's).
+
+    Shapes are padded at ``sharding.config``'s tp, with the leading axes of
+    :func:`dist_key`: layers stacked ``[num_layers, ...]`` (one key holds every
+    layer, so the returned path and layer are layer 0's) or one key per layer
+    (:attr:`MegatronConfig.dist_per_layer`); expert tensors stacked
+    ``[num_moe_experts, ...]`` by global expert id under
+    ``...mlp.experts.experts.*`` (megatron-core ``SequentialMLP.sharded_state_dict``;
+    the path returned is expert 0's).
+    """
+    out: dict = {}
+    states = {"fully_reshardable": OPTIMIZER_STATES, "adam": ("exp_avg", "exp_avg_sq")}.get(optim or "", ())
+    prefixes = [("", None)] + [(f"optimizer.state.{s}.", s) for s in states]
+    for spec in param_specs(cfg):
+        if spec.expert not in (None, 0) or (spec.layer not in (None, 0) and not cfg.dist_per_layer):
+            continue
+        key, _, lead_sizes = dist_key(cfg, spec)
+        shape = lead_sizes + sharding.physical_shape(spec.leaf)
+        for prefix, state in prefixes if spec.param else prefixes[:1]:
+            dtype = spec.leaf.dtype if state is None else "float32"
+            out[prefix + key] = (shape, dtype, spec.path, spec.layer)
+    return out
+
+
+def _layer_extra_modules(cfg: MegatronConfig, layer: int) -> dict[str, bool]:
+    """``{module (stacked-key form): stacked over experts}`` of global layer ``layer``'s extra states."""
+    out = {}
+    for key in extra_state_keys(cfg, layer, 1):
+        module = key.removesuffix("._extra_state").replace(".{i}", "")
+        if ".local_experts." in module:
+            out[re.sub(r"local_experts\.\d+\.", "experts.", module)] = True
+        elif module.endswith(("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")):
+            out[module.replace("mlp.experts.", "mlp.experts.experts.")] = True
+        else:
+            out[module] = False
+    return out
+
+
+def extra_state_objects(cfg: MegatronConfig, layer: int) -> list[str]:
+    """The DCP keys of global layer ``layer``'s ``_extra_state`` objects (megatron-core ``ShardedObject`` s).
+
+    Stacked layers: ``<module>._extra_state/shard_<layer>_<L>``, an expert's
+    ``shard_<layer>.<expert>_<L>.<E>``. Per-layer keys
+    (:attr:`MegatronConfig.dist_per_layer`): ``decoder.layers.<layer>.<module>._extra_state/shard_0_1``,
+    an expert's ``shard_<expert>_<E>`` (run with megatron-core 0.16.1, NOTES section 8).
+    """
+    L, E, out = cfg.num_layers, cfg.num_moe_experts, []
+    for module, stacked in _layer_extra_modules(cfg, layer).items():
+        if cfg.dist_per_layer:
+            module = f"decoder.layers.{layer}.{module.removeprefix('decoder.layers.')}"
+            shards = [f"{g}_{E}" for g in range(E)] if stacked else ["0_1"]
+        else:
+            shards = [f"{layer}.{g}_{L}.{E}" for g in range(E)] if stacked else [f"{layer}_{L}"]
+        out += [f"{module}._extra_state/shard_{s}" for s in shards]
+    return out
+
+
+@lru_cache(maxsize=8)
+def _all_extra_objects(cfg: MegatronConfig) -> frozenset:
+    return frozenset(k for layer in range(cfg.num_layers) for k in extra_state_objects(cfg, layer))
+
+
+def known_extra_state(cfg: MegatronConfig, key: str) -> bool:
+    """Whether ``key`` names an ``_extra_state`` object the model has (:func:`extra_state_objects`;
+    with stacked layers also ``output_layer._extra_state/shard_<l>_<L>``)."""
+    if key in _all_extra_objects(cfg):
+        return True
+    m = EXTRA_KEY.match(key)
+    return not cfg.dist_per_layer and m is not None and m.group(1) == "output_layer" \
+        and m.group(3) is None and int(m.group(4)) == cfg.num_layers and int(m.group(2)) < cfg.num_layers
+
+
+def classify(key: str) -> str:
+    """``"flat"``, ``"dp_object"``, ``"extra_state"``, ``"rng"`` or ``"other"`` for a DCP key."""
+    for name, pattern in (("flat", FLAT_KEY), ("dp_object", OBJECT_KEY), ("rng", RNG_KEY),
+                          ("extra_state", EXTRA_KEY)):
+        if pattern.match(key):
+            return name
+    return "other"

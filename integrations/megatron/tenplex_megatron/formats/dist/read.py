@@ -1,0 +1,332 @@
+"""megatron-core ``torch_dist`` directories, described from DCP's metadata and read by byte ranges.
+
+A directory holds PyTorch DCP files (``.metadata``, ``__R_I.distcp``),
+``common.pt`` (the non-sharded part: iteration, scheduler, optimizer param
+groups, args) and ``metadata.json``. :func:`describe_dist` reads only
+``.metadata`` (through :mod:`tenplex_megatron.dcp.safe`'s allow-listed
+unpickler), each tensor item's header and ``common.pt``, and checks every key against the model config
+(:mod:`tenplex_megatron.formats.dist.keys`): an unknown key, a missing one, or a
+shape or dtype other than the model's is an error. :class:`DistSource`
+reads a rank's local tensor from the DCP chunks that overlap it: each chunk
+is a ``torch.save`` blob at a recorded byte range of a ``.distcp`` file,
+whose tensor bytes were located when its header was checked
+(:func:`tenplex_megatron.torchfiles.ptfile.tensor_ref`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from tenplex.errors import ConfigError, ManifestError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.sharding import Piece, Sharding
+from tenplex.ptree.tree import torch_dtype
+
+from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
+from tenplex_megatron.formats.dist.buffers import chained, expected_flat
+from tenplex_megatron.formats.dist.keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
+                                       expected_tensors, is_dist, known_extra_state, object_key)
+from tenplex_megatron.dcp.records import BytesStorageMetadata, TensorStorageMetadata
+from tenplex_megatron.dcp.safe import read_checked, read_objects
+from tenplex_megatron.formats.description import Description
+from tenplex_megatron.model.flatbuf import FLAT_DTYPE, buffer_layout
+from tenplex_megatron.torchfiles.jsonable import to_jsonable
+from tenplex_megatron.model.layouts import megatron_tree
+from tenplex_megatron.model.parallel import parallel_config
+from tenplex_megatron.torchfiles.safe_load import safe_load
+
+__all__ = ["is_dist", "describe_dist", "DcpRecord", "read_common", "rng_coords", "FoundDist"]
+
+_COMMON_KNOWN = {"content_metadata", "iteration", "opt_param_scheduler", "optimizer", "args",
+                 "checkpoint_version", "num_floating_point_operations_so_far"}
+
+
+def read_common(root: str) -> dict:
+    """``common.pt`` (allow-listed unpickling), or ``{}`` when there is none."""
+    path = os.path.join(root, "common.pt")
+    if not os.path.exists(path):
+        return {}
+    common = safe_load(path)
+    if not isinstance(common, dict):
+        raise ManifestError(f"{path}: expected a dict, found {type(common).__name__}")
+    return common
+
+
+@dataclass(frozen=True)
+class DcpRecord:
+    """A rank's local tensor made of boxes of one DCP tensor.
+
+    Attributes:
+        key: the DCP key.
+        prefix: leading coordinates in the DCP tensor (the layer of a stacked key).
+        pieces: the boxes (global coordinates without ``prefix``) and their places locally.
+        shape: the local tensor's shape.
+        dtype: its dtype.
+    """
+
+    key: str
+    prefix: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _chained(optimizer: dict, where: str) -> tuple[dict, list | None]:
+    """``common.pt``'s optimizer entry and the expert optimizer's groups: at ep > 1 megatron-core
+    saves ``{0: dense, 1: expert}`` (``ChainedOptimizer.sharded_state_dict``)."""
+    if set(optimizer) != {0, 1}:
+        return optimizer, None
+    dense, expert = optimizer[0], optimizer[1]
+    if not isinstance(dense, dict) or not isinstance(expert, dict):
+        raise ManifestError(f"{where}/common.pt: chained optimizer entries are not dicts")
+    inner = expert.get("optimizer") if isinstance(expert.get("optimizer"), dict) else expert
+    return dense, inner.get("param_groups", [])
+
+
+def _optim_type(common: dict, keys, where: str = "") -> str | None:
+    """``"fully_reshardable"``/``"dp_reshardable"`` (distributed optimizer), ``"adam"`` (a
+    non-distributed one: ``{"state": {"common_step"}, "param_groups"}``, megatron-core
+    ``FP32Optimizer.sharded_state_dict``) or None."""
+    optimizer = common.get("optimizer") or {}
+    if "fp32_from_fp16_params" in optimizer:
+        raise ManifestError(f"{where}/common.pt: a non-distributed optimizer with bf16/fp16 params "
+                            "(fp32_from_fp16_params): tenplex reads its torch_dist state only with fp32 "
+                            "params; save legacy")
+    if "state" in optimizer or "param_groups" in optimizer:
+        return "adam"
+    kind = optimizer.get("param_state_sharding_type") \
+        or (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if kind is None and any(k.startswith("optimizer.state.") for k in keys):
+        kind = "fully_reshardable"
+    if kind is None and any(FLAT_KEY.match(k) for k in keys):
+        kind = "dp_reshardable"
+    if kind not in (None, "fully_reshardable", "dp_reshardable"):
+        raise ManifestError(f"optimizer sharding type {kind!r} is not supported; save with "
+                            "fully_reshardable or dp_reshardable")
+    return kind
+
+
+def _grid(cfg, args, md, optim, where) -> tuple[int, int]:
+    """The saver's (tp, pp): from args, else the RNG objects' grid, else buffers or vocab rows."""
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    if tp and pp:
+        return tp, pp
+    grids = {(int(m.group(4)), int(m.group(3))) for k in md.state_dict_metadata
+             if (m := RNG_KEY.match(k))}
+    if len(grids) == 1:
+        return grids.pop()
+    if optim == "dp_reshardable":
+        return _buffer_grid(cfg, md, where)
+    rows = md.state_dict_metadata["embedding.word_embeddings.weight"].size[0] \
+        if "embedding.word_embeddings.weight" in md.state_dict_metadata else None
+    tree = megatron_tree(cfg)
+    for t in (1, 2, 4, 8, 16, 32, 64):
+        if rows is None or cfg.padded_vocab(t) == rows:
+            try:
+                tree.validate(ParallelConfig(tp=t))
+            except ConfigError:
+                continue
+            return t, 1
+    raise ConfigError(f"{where}: the checkpoint stores {rows} vocabulary rows, but vocab_size="
+                      f"{cfg.vocab_size} (make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by}) "
+                      "pads to that at no tp this model allows; tenplex neither truncates nor invents "
+                      "vocabulary rows: give the tokenizer's vocabulary size with --model-config")
+
+
+def _buffer_grid(cfg, md, where) -> tuple[int, int]:
+    sizes = {(int(m.group(1)), int(m.group(5))): v.size[0] for k, v in md.state_dict_metadata.items()
+             if (m := FLAT_KEY.match(k)) and m.group(6) == "param" and not k.startswith("chained_1.")}
+    groups = 1 + max((g for g, _ in sizes), default=0)
+    matches = []
+    for tp in (t for t in range(1, groups + 1) if groups % t == 0):
+        config = ParallelConfig(1, tp, groups // tp)
+        try:
+            megatron_tree(cfg).validate(config)
+        except ConfigError:
+            continue
+        want = {(t + tp * p, b): n for p in range(config.pp)
+                for b, (_, n, _) in enumerate(buffer_layout(cfg, config, p, 1)) for t in range(tp)}
+        if want == sizes:
+            matches.append((tp, groups // tp))
+    if len(matches) != 1:
+        raise ConfigError(f"{where}: cannot tell the saver's tp and pp from {groups} optimizer buffer "
+                          f"groups ({len(matches)} candidates); the checkpoint has no args")
+    return matches[0]
+
+
+def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | None:
+    """Every DCP key is known and holds what the model config says; returns the buffer dtypes."""
+    expected = expected_tensors(cfg, sharding, optim)
+    config = sharding.config
+    found_flat: set = set()
+    for key, item in md.state_dict_metadata.items():
+        kind = classify(key)
+        if isinstance(item, TensorStorageMetadata) and key in expected:
+            shape, dtype, _, _ = expected[key]
+            if tuple(item.size) != shape or item.properties.dtype != torch_dtype(dtype):
+                raise ManifestError(f"{where}: {key} is stored as {list(item.size)} "
+                                    f"{item.properties.dtype}; the model config gives {list(shape)} "
+                                    f"torch.{dtype} (tenplex never casts or reshapes on read)")
+        elif isinstance(item, TensorStorageMetadata) and kind == "flat" and optim == "dp_reshardable":
+            dtypes = dtypes or FLAT_KEY.match(key).group(3, 4)
+            numel = expected_flat(cfg, config, dtypes).get(key)
+            if numel is None or tuple(item.size) != (numel,) or item.properties.dtype != FLAT_DTYPE:
+                raise ManifestError(f"{where}: optimizer buffer {key} ({list(item.size)} "
+                                    f"{item.properties.dtype}) does not fit the model's buffer layout at "
+                                    f"{config} (megatron-core's distributed optimizers)")
+            found_flat.add(key)
+        elif isinstance(item, BytesStorageMetadata) and kind in ("extra_state", "rng", "dp_object"):
+            _check_object(key, kind, cfg, config, where)
+        else:
+            raise ManifestError(f"{where}: unknown key {key}; tenplex keeps every tensor of a checkpoint, "
+                                "and this one is not part of the model config")
+    missing = sorted(set(expected) - set(md.state_dict_metadata))
+    if optim == "dp_reshardable":
+        dtypes = dtypes or ("torch.float32", "torch.float32")
+        missing += sorted(set(expected_flat(cfg, config, dtypes)) - found_flat)
+    if missing:
+        raise ManifestError(f"{where}: tensor {missing[0]} is missing"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                            + "; tenplex never invents model or optimizer state")
+    return dtypes
+
+
+def _check_object(key, kind, cfg, config, where) -> None:
+    ok = True
+    if kind == "extra_state":
+        ok = known_extra_state(cfg, key)
+    elif kind == "rng":
+        p, t, pp, tp = map(int, RNG_KEY.match(key).groups())
+        ok = (pp, tp) == (config.pp, config.tp) and p < pp and t < tp
+    elif kind == "dp_object":
+        m, name = OBJECT_KEY.match(key).groups()
+        ok = int(m) < config.world_size and name in DP_OBJECTS
+    if not ok:
+        raise ManifestError(f"{where}: object {key} does not fit the model (num_layers="
+                            f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
+
+
+def _common_step(optimizer: dict, root: str) -> float | None:
+    """A non-distributed optimizer's shared Adam step (``state.common_step``; absent before the first step)."""
+    state = optimizer.get("state") or {}
+    if not isinstance(state, dict) or set(state) - {"common_step"}:
+        found = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ManifestError(f"{root}/common.pt: optimizer state holds {found}; expected only common_step "
+                            "(megatron-core keeps per-parameter state in the sharded tensors)")
+    step = state.get("common_step")
+    if step is None:
+        return None
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if not isinstance(step, (int, float)) or isinstance(step, bool):
+        raise ManifestError(f"{root}/common.pt: optimizer common_step is {type(step).__name__}; expected a number")
+    return float(step)
+
+
+def _dp_groups(cfg, config, root, md) -> tuple[list, list | None]:
+    """The dense and expert param groups of a ``dp_reshardable`` checkpoint: in each sub-optimizer's
+    ``optimizer`` object of ``dp_group_idx`` 0 (the prefixes are :mod:`tenplex_megatron.formats.dist.buffers`')."""
+    out = []
+    for prefix in ("chained_0.", "chained_1.") if chained(cfg, config) else ("",):
+        key = prefix + object_key(0, "optimizer")
+        obj = read_objects(root, md, key).get(key) if key in md.state_dict_metadata else None
+        first = obj[0] if isinstance(obj, list) and obj else {}
+        out.append(first.get("param_groups", []) if isinstance(first, dict) else [])
+    return out[0], (out[1] if len(out) > 1 else None)
+
+
+def rng_coords(md) -> dict[str, str]:
+    """``{"tp=T,pp=P": DCP key}`` of the stored RNG states."""
+    out = {}
+    for key in md.state_dict_metadata:
+        m = RNG_KEY.match(key)
+        if m:
+            out[f"tp={int(m.group(2))},pp={int(m.group(1))}"] = key
+    return out
+
+
+class FoundDist(NamedTuple):
+    """What :func:`describe_dist` found.
+
+    Attributes:
+        desc: the description.
+        md: DCP's ``Metadata`` (read with the allow-listed unpickler).
+        bytes_read: bytes read to describe it.
+        refs: where each tensor item's data lies, ``{MetadataIndex: TensorRef}``.
+    """
+
+    desc: Description
+    md: Any
+    bytes_read: int
+    refs: dict
+
+
+def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
+    """Describe a ``torch_dist`` directory from ``.metadata`` and ``common.pt`` (no tensor is read).
+
+    Raises:
+        ManifestError: not a ``torch_dist`` directory, an unsafe pickle, an
+            unknown, missing or mis-shaped key.
+        ConfigError: no model config can be found, or the stored vocabulary
+            rows do not fit it.
+    """
+    if not is_dist(root):
+        raise ManifestError(f"{root}: no metadata.json with sharded_backend 'torch_dist'")
+    common = read_common(root)
+    args = common.get("args")
+    if model_config is None and args is None:
+        raise ConfigError(f"{root}: common.pt has no args; pass the model config "
+                          "(--model-config FILE.json, see docs/megatron.md)")
+    cfg = MegatronConfig.from_args(args, model_config)
+    md, refs = read_checked(root)
+    optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
+    optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata, root)
+    tp, pp = _grid(cfg, args, md, optim, root)
+    config = parallel_config(args, tp, pp)
+    emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
+    check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
+    tree = megatron_tree(cfg, optimizer=optim is not None)
+    dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
+    nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
+                 if os.path.exists(os.path.join(root, f)))
+    unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
+                     - ({"state", "param_groups"} if optim == "adam" else set()))
+    if unknown:
+        raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
+    groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
+    step = None
+    if optim == "adam":
+        if cfg.params_dtype != "float32":
+            raise ManifestError(f"{root}: a non-distributed optimizer over {cfg.params_dtype} params without "
+                                "fp32_from_fp16_params; megatron-core keeps fp32 main params for them")
+        groups, step = optimizer.get("param_groups") or [], _common_step(optimizer, root)
+    if optim == "dp_reshardable":
+        groups, expert_groups = _dp_groups(cfg, config, root, md)
+    extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
+    values = {
+        "megatron/iteration": common.get("iteration", 0),
+        "megatron/checkpoint_version": common.get("checkpoint_version"),
+        "megatron/args": args_to_json(args) if args is not None else None,
+        "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),
+        "megatron/optimizer": None if optim is None else
+        {"param_groups": to_jsonable(groups, "optimizer param_groups"), "step": step,
+         "grad_scaler": to_jsonable(optimizer.get("grad_scaler"), "grad_scaler"),
+         **({"expert_param_groups": to_jsonable(expert_groups, "expert param_groups")} if expert_groups else {})},
+        "megatron/num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far"),
+        "megatron/rng_state": sorted(rng_coords(md)),
+        "megatron/extra": extra or None,
+    }
+    meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim,
+                         "buffer_dtypes": list(dtypes) if dtypes else None,
+                         "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
+    return FoundDist(Description(cfg, config, tree, values, meta), md, nbytes, refs)

@@ -1,0 +1,230 @@
+"""megatron-core ``torch_dist`` directories, written by streaming DCP items.
+
+Target ranks are built one at a time through the planner
+(:class:`~tenplex_megatron.formats.target.TargetBuilder`), a few leaves ahead; each
+piece of a local tensor is appended to the rank's ``__<rank>_0.distcp`` as a
+DCP chunk of its global key (layers as chunks ``(layer, ...)`` of the
+stacked tensor, as megatron-core saves them), then dropped. Replicas are
+written once (by the first rank that holds them), as megatron-core
+deduplicates by ``replica_id``. Optimizer state is written
+``fully_reshardable`` (model space), as the moments of a non-distributed
+optimizer (``adam``: ``FP32Optimizer``, whose main params are the model's),
+or ``dp_reshardable`` flat buffers when the source used them
+(``chained_0.``/``chained_1.`` dense and expert optimizers, one buffer per
+model chunk: :mod:`tenplex_megatron.formats.dist.buffers`). The directory is written
+under a temporary name and renamed into place;
+``megatron.core.dist_checkpointing.load`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+import torch
+
+from tenplex.errors import AlreadyExistsError, ConfigError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.shards import piece_view
+
+from tenplex_megatron.formats.common import TargetValues
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
+from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rng_key
+from tenplex_megatron.dcp.write import DcpWriter
+from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
+from tenplex_megatron.model.layouts import OPTIMIZER_STATES, spec_of
+from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
+
+__all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir"]
+
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                 "common_backend": "torch", "common_backend_version": 1}
+
+
+def temp_dir(path: str) -> str:
+    """A fresh temporary directory beside ``path``.
+
+    Raises:
+        AlreadyExistsError: ``path`` exists.
+    """
+    if os.path.exists(path):
+        raise AlreadyExistsError(f"{path} exists; tenplex never overwrites a checkpoint in place")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit_dir(tmp: str, path: str, common: dict) -> None:
+    """Write ``common.pt`` and ``metadata.json`` into ``tmp``, then rename it to ``path``."""
+    torch.save(common, os.path.join(tmp, "common.pt"))
+    with open(os.path.join(tmp, "metadata.json"), "w") as f:
+        json.dump(METADATA_JSON, f)
+    os.rename(tmp, path)
+
+
+def common_state(values: TargetValues, optim: str | None, content: dict | None = None) -> dict:
+    """``common.pt`` for the target: content metadata, iteration, scheduler, optimizer groups, args."""
+    common: dict = {"content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                                         **(content or {})}}
+    common["content_metadata"].pop("distrib_optim_sharding_type", None)
+    if optim in ("fully_reshardable", "dp_reshardable"):
+        common["content_metadata"]["distrib_optim_sharding_type"] = optim
+    common["iteration"] = values.iteration
+    if values.scheduler is not None:
+        common["opt_param_scheduler"] = values.scheduler
+    if optim == "fully_reshardable":
+        common["optimizer"] = {"optimizer": {"param_groups": values.param_groups()},
+                               "param_state_sharding_type": "fully_reshardable", **values.grad_scaler()}
+        if values.cfg.num_moe_experts and values.config.ep > 1:  # ChainedOptimizer: {0: dense, 1: expert}
+            common["optimizer"] = {0: common["optimizer"],
+                                   1: {**common["optimizer"],
+                                       "optimizer": {"param_groups": values.expert_param_groups()}}}
+    elif optim == "adam":
+        common["optimizer"] = _adam_common(values, values.param_groups())
+        if chained(values.cfg, values.config):
+            common["optimizer"] = {0: common["optimizer"], 1: _adam_common(values, values.expert_param_groups())}
+    elif optim == "dp_reshardable":
+        common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", **values.grad_scaler()}
+        if chained(values.cfg, values.config):  # ChainedOptimizer: {0: dense, 1: expert}
+            common["optimizer"] = {0: common["optimizer"], 1: {"param_state_sharding_type": "dp_reshardable",
+                                                               **values.grad_scaler()}}
+    if values.values.get("megatron/args"):
+        common["args"] = values.args
+        common["checkpoint_version"] = values.checkpoint_version
+    if values.values.get("megatron/num_floating_point_operations_so_far") is not None:
+        common["num_floating_point_operations_so_far"] = values.flops
+    common.update(values.extra)
+    return common
+
+
+def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
+    """A non-distributed optimizer's ``common.pt`` entry (megatron-core ``FP32Optimizer.sharded_state_dict``):
+    its groups without ``params`` (rebuilt at load) and the shared Adam step."""
+    step = values.step()
+    return {"state": {} if step is None else {"common_step": torch.tensor(float(step))},
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
+
+
+def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
+    """Write ``source`` laid out for ``to`` as a ``torch_dist`` directory at ``path``, atomically.
+
+    Args:
+        source: a shard source of a Megatron model.
+        path: the directory to create; it must not exist.
+        to: the target config (its dp sizes nothing on disk: tensors are global).
+        threads: leaves built at once.
+        progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
+
+    Returns:
+        ``{"bytes_written", "files", "padding", "notes"}``.
+
+    Raises:
+        AlreadyExistsError: ``path`` exists.
+        ConfigError: ``to`` cannot hold the model.
+        ManifestError: the source is not a Megatron model, or a bad source.
+    """
+    cfg, meta = megatron_meta(source)
+    has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
+    optim = None if not has_optim else meta.get("optimizer") if meta.get("optimizer") in (
+        "dp_reshardable", "adam") else "fully_reshardable"
+    if optim == "adam" and cfg.params_dtype != "float32":
+        raise ConfigError(f"a non-distributed optimizer over {cfg.params_dtype} params: tenplex writes its "
+                          "torch_dist state only for fp32 params (no fp32_from_fp16_params); write legacy")
+    with TargetBuilder(source, to, threads, progress=progress) as build:
+        values = TargetValues(build.values, cfg, to)
+        dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
+        rng_states = values.rng_states() if values.had_rng else {}
+        if not values.had_rng:
+            values.notes.append("rng: the source stores no RNG state; none is written")
+        tmp = temp_dir(path)
+        try:
+            writer, files = DcpWriter(tmp), 0
+            for rank in range(to.world_size):
+                c = to.coord(rank)
+                dense = c.dense_dp_first
+                if not dense and c.edp != 0:
+                    continue  # holds replicas only: megatron-core writes replica_id 0
+                writer.open(f"__{rank}_0.distcp")
+                files += 1
+                _write_tensors(build, cfg, writer, rank, optim)
+                if optim == "dp_reshardable":
+                    _write_buffers(build, cfg, writer, c, rank, dtypes, values)
+                if dense and c.tp == 0 and c.ep == 0:
+                    _write_extra_states(cfg, to, writer, c.pp)
+                if dense and rng_states:
+                    writer.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
+            writer.finish()
+            commit_dir(tmp, path, common_state(values, optim, meta.get("content_metadata")))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return {"bytes_written": writer.bytes_written, "files": files,
+                "padding": list(build.plan.padding), "notes": values.notes}
+
+
+def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """DCP key of tree path ``path``, its leading coordinates (layer, then global expert) and their sizes."""
+    spec = spec_of(cfg, path if path.startswith("model/") else "model/" + path.split("/", 2)[2])
+    key, lead, sizes = dist_key(cfg, spec)
+    if not path.startswith("model/"):
+        key = f"optimizer.state.{path.split('/')[1]}.{key}"
+    return key, lead, sizes
+
+
+def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
+    sharding = build.runner.D
+    # a non-distributed optimizer's main params are the fp32 model params: only its moments are stored
+    prefixes = {"fully_reshardable": ("model/", "optimizer/"),
+                "adam": ("model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/")}.get(optim, ("model/",))
+    paths = [q for q in build.paths(rank) if q.startswith(prefixes)
+             and any(c.ranks[0] == rank for c in sharding.classes(q))]
+    coord = build.to.coord(rank)
+    for path, local in build.stream(rank, paths):
+        key, lead, lead_sizes = _dcp_key(cfg, path)
+        size = sharding.physical_shape(build.tree[path])
+        held = sharding.holding(path, coord)
+        for piece in held.pieces:
+            data = piece_view(local, piece).reshape((1,) * len(lead) + tuple(piece.box.sizes))
+            writer.tensor(key, lead_sizes + size, lead + piece.box.offsets, data)
+        del local
+
+
+def _write_buffers(build, cfg, writer, c, rank, dtypes, values) -> None:
+    """The ``dp_reshardable`` buffers that rank ``rank`` (at ``c``) writes: its dense ones when it is
+    dp x cp rank 0, its expert ones when it is expert-dp rank 0 (each gathered over its group, unpadded)."""
+    to = build.to
+    mine = [buf for buf in optimizer_buffers(cfg, to)
+            if (buf.expert and c.edp == 0 and (buf.split, buf.pp, buf.ep) == (c.etp, c.pp, c.ep))
+            or (not buf.expert and c.dense_dp_first and (buf.split, buf.pp) == (c.tp, c.pp))]
+    key = dtype_key(dtypes)
+    groups: dict = {}
+    for buf in mine:
+        flats, buckets = flat_buffers(cfg, to, buf.pp, lambda jobs: build.fill(rank, jobs), buf.chunk,
+                                      buf.expert, buf.ep)
+        for b, (offset, numel) in enumerate(buckets):
+            for state in OPTIMIZER_STATES:
+                writer.tensor(buf.key(b, state, dtypes), (numel,), (0,), flats[state][offset:offset + numel])
+        del flats
+        layout = buf.layout(cfg, to, padded=True)
+        sizes = groups.setdefault((buf.prefix, buf.group_idx), (buf, [], []))
+        sizes[1].append({key: [padded for _, _, padded in layout]})
+        sizes[2].append({key: [n for _, n, _ in layout]})
+    for buf, padded, unpadded in groups.values():
+        param_groups = values.expert_param_groups() if buf.expert else values.param_groups()
+        objects = {"optimizer": {"param_groups": param_groups}, "per_bucket_numel": padded,
+                   "per_bucket_numel_unpadded": unpadded}
+        for name, data in objects.items():
+            writer.object(buf.object(name), [data])
+
+
+def _write_extra_states(cfg, to, writer, p) -> None:
+    """Stage ``p``'s ``_extra_state`` objects (all None), expert ones per (layer, global expert)."""
+    for v in range(to.vpp):
+        for layer in to.chunk_layers(p, v, cfg.num_layers):
+            for key in extra_state_objects(cfg, layer):
+                writer.object(key, [None])

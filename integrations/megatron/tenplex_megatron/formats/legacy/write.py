@@ -1,0 +1,256 @@
+"""Megatron-LM per-rank checkpoints, written :data:`FILES_AT_ONCE` target files at a time.
+
+For each (tp, pp) rank of the target config, its local tensors are built
+from the source through the planner (:class:`~tenplex_megatron.formats.target.TargetBuilder`),
+saved as ``mp_rank_TT[_PPP]/model_optim_rng.pt`` (and, for the distributed
+optimizer, ``distrib_optim.pt``), and dropped once written. Each file
+is streamed (:func:`~tenplex_megatron.torchfiles.ptsave.save_streamed`): its tensors are
+built while the ones before them are written, so a writer holds the tensor
+it writes and those built ahead (a byte budget, or one flat optimizer state),
+never a whole file. Everything goes to a temporary directory that is renamed
+into place at the end; the tracker file is written last.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import torch
+
+from tenplex.errors import AlreadyExistsError, ConfigError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.tree import torch_dtype
+
+from tenplex_megatron.formats.common import TargetValues
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.flatbuf import (FLAT_DTYPE, buffer_dtypes, distrib_optim_state, flat_buffers,
+                                      flat_numel)
+from tenplex_megatron.model.layouts import OPTIMIZER_STATES, chunk_keys, extra_state_keys, optimizer_path, param_order
+from tenplex_megatron.formats.legacy.read import TRACKER, iteration_dir_name
+from tenplex_megatron.formats.legacy.grid import check_expert_files, legacy_writers, rank_dir_name
+from tenplex_megatron.torchfiles.ptsave import save_streamed
+from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
+
+__all__ = ["write_legacy", "legacy_optimizer", "FILES_AT_ONCE"]
+
+FILES_AT_ONCE = 2
+"""Files written at once. Each writer holds what it writes and builds ahead (a byte budget, or
+one flat optimizer state), so two writers hold about twice one's memory; writing two files
+overlaps one file's page-cache copies and CRC-32s with the other's reads."""
+
+
+def legacy_optimizer(meta: dict, args) -> str | None:
+    """``"distrib_optim"``, ``"adam"`` or None: how the target keeps the source's optimizer state.
+
+    A source written with the distributed optimizer (``distrib_optim.pt``, or a
+    ``torch_dist`` optimizer when the args say ``use_distributed_optimizer``)
+    gets ``distrib_optim.pt`` files; a non-distributed Adam keeps its state in
+    ``model_optim_rng.pt``.
+    """
+    kind = meta.get("optimizer")
+    if kind is None:
+        return None
+    if kind == "distrib_optim" or (kind != "adam" and getattr(args, "use_distributed_optimizer", True)):
+        return "distrib_optim"
+    return "adam"
+
+
+def _experts(cfg: MegatronConfig, to: ParallelConfig) -> bool:
+    """Whether the target keeps experts in their own optimizer and buffers (ep > 1)."""
+    return bool(cfg.num_moe_experts) and to.ep > 1
+
+
+def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progress=None,
+                 expert_names: str | None = None) -> dict:
+    """Write ``source`` laid out for ``to`` as a Megatron-LM per-rank checkpoint at ``root``.
+
+    Args:
+        source: a shard source of a Megatron model (a tenplex store converted
+            from Megatron, or a Megatron checkpoint read in place).
+        root: the checkpoint root; its iteration directory must not exist.
+        to: the target config.
+        threads: leaves built at once.
+        progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
+        expert_names: ``"sequential"`` (``local_experts.{j}.linear_fc1.weight``) or
+            ``"grouped"`` (``linear_fc1.weight{j}``); default: the source's scheme.
+
+    Returns:
+        ``{"bytes_written", "files", "padding", "notes"}``.
+
+    Raises:
+        AlreadyExistsError: the iteration directory exists.
+        ConfigError: ``to`` cannot hold the model or be written as Megatron-LM args, or
+            an MoE model whose ``etp`` makes Megatron-LM's files collide or miss
+            shards (:func:`tenplex_megatron.formats.legacy.grid.check_expert_files`).
+        ManifestError: the source is not a Megatron model, or a bad source.
+    """
+    cfg, meta = megatron_meta(source)
+    if cfg.num_moe_experts:
+        check_expert_files(to, root)
+    names = expert_names or meta.get("expert_names") or "sequential"
+    if names not in ("sequential", "grouped"):
+        raise ConfigError(f"expert_names={names!r}: expected 'sequential' or 'grouped'")
+    if names != "sequential":
+        cfg = type(cfg).from_json({**cfg.to_json(), "moe_grouped_gemm": True})
+    with TargetBuilder(source, to, threads, progress=progress) as build:
+        values = TargetValues(build.values, cfg, to)
+        optimizer = legacy_optimizer(meta, values.args) if any(
+            p.startswith("optimizer/") for p in source.tree.leaves) else None
+        if optimizer == "adam" and to.vpp > 1:
+            raise ConfigError(f"{to}: a non-distributed optimizer's legacy state with vpp={to.vpp} is "
+                              "not written by tenplex; reshard to vpp=1 or from a distributed optimizer")
+        name = iteration_dir_name(values.iteration)
+        final = os.path.join(root, name)
+        if os.path.exists(final):
+            raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
+        os.makedirs(root, exist_ok=True)
+        tmp = os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
+        dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
+        rng_states = values.rng_states()
+        jobs = []  # one per file, in rank order
+        try:
+            for (t, p, e), rank in sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
+                d = os.path.join(tmp, rank_dir_name(t, p, to.pp, e, to.ep))
+                os.makedirs(d)
+                jobs.append(lambda t=t, p=p, e=e, rank=rank, d=d: _write_rank(
+                    build, cfg, values, rng_states, optimizer, t, p, e, rank, d))
+                if optimizer == "distrib_optim":
+                    jobs.append(lambda p=p, e=e, rank=rank, d=d: _distrib_optim(
+                        build, cfg, to, p, e, rank, dtypes, os.path.join(d, "distrib_optim.pt")))
+            written, files = _write_files(jobs), len(jobs)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        tracker = os.path.join(root, f".{TRACKER}.tmp-{uuid.uuid4().hex}")
+        with open(tracker, "w") as f:
+            f.write(str(values.iteration))
+        os.replace(tracker, os.path.join(root, TRACKER))
+        return {"bytes_written": written, "files": files, "padding": list(build.plan.padding),
+                "notes": values.notes}
+
+
+def _write_files(jobs: list) -> int:
+    """Run the file writers ``jobs``, :data:`FILES_AT_ONCE` at a time in order; the bytes written.
+
+    The first error is raised once the files being written have stopped; no later file starts."""
+    pool = ThreadPoolExecutor(FILES_AT_ONCE)
+    futures = [pool.submit(job) for job in jobs]
+    try:
+        return sum(future.result() for future in futures)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _placeholder(build, path: str, rank: int) -> torch.Tensor:
+    """An untouched tensor of target ``rank``'s shape of ``path`` (see :mod:`tenplex_megatron.torchfiles.ptsave`)."""
+    held = build.runner.D.holding(path, build.to.coord(rank))
+    return torch.empty(held.shape, dtype=torch_dtype(build.tree[path].dtype))
+
+
+def _ahead(fns: list) -> Iterator[torch.Tensor]:
+    """``fn()`` for each of ``fns`` in order, the next one built (in a thread) while the caller
+    writes the current one."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(fns[0]) if fns else None
+        for i in range(len(fns)):
+            result = future.result()
+            future = pool.submit(fns[i + 1]) if i + 1 < len(fns) else None
+            yield result
+
+
+def _distrib_optim(build, cfg, to, p, e, rank, dtypes, path: str) -> int:
+    """Write ``distrib_optim.pt`` of directory (``p``, ``e``) written by ``rank``: one state, or
+    ``[dense | None, expert]`` at ep > 1 with the dense state only where ``rank`` is dense dp x cp
+    rank 0 (``ChainedOptimizer`` saves each sub-optimizer's state on its dp rank 0).
+
+    Each flat state tensor is built while the previous one is written; the file's bytes."""
+    placeholders, fns = [], []
+
+    def fill(jobs):
+        build.fill(rank, jobs)
+
+    def flat(v: int, expert: bool, state: str) -> torch.Tensor:
+        return flat_buffers(cfg, to, p, fill, v, expert, e, states=(state,))[0][state]
+
+    def state(expert: bool) -> dict:
+        chunks = []
+        for v in range(to.vpp):
+            numel = flat_numel(cfg, to, p, v, expert, e)
+            chunks.append({s: torch.empty(numel, dtype=FLAT_DTYPE) for s in OPTIMIZER_STATES})
+            placeholders.extend(chunks[-1].values())
+            fns.extend(lambda v=v, s=s: flat(v, expert, s) for s in OPTIMIZER_STATES)
+        return distrib_optim_state(chunks, dtypes)
+    if not _experts(cfg, to):
+        obj = state(False)
+    else:
+        obj = [state(False) if to.coord(rank).dense_dp_first else None, state(True)]
+    return save_streamed(obj, path, placeholders, _ahead(fns))
+
+
+def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d) -> int:
+    to = build.to
+    paths, placeholders = [], []
+    names = 1 if cfg.moe_grouped_gemm else 0
+    state: dict = {"args": values.args, "checkpoint_version": values.checkpoint_version,
+                   "iteration": values.iteration}
+    for v in range(to.vpp):
+        model: dict = {}
+        first = to.first_layer(p, cfg.num_layers, v)
+        for path, accepted in chunk_keys(cfg, to, p, v, e).items():
+            expert = build.tree[path].layout.expert is not None
+            model[accepted[names if expert else 0]] = _placeholder(build, path, rank)
+            paths.append(path)
+            placeholders.append(model[accepted[names if expert else 0]])
+        for layer in to.chunk_layers(p, v, cfg.num_layers):
+            for key in extra_state_keys(cfg, layer, to.ep):
+                model[key.format(i=layer - first)] = None
+        if (p, v) == (to.pp - 1, to.vpp - 1):
+            model["output_layer._extra_state"] = None
+        state["model" if to.vpp == 1 else f"model{v}"] = model
+    if values.scheduler is not None:
+        state["opt_param_scheduler"] = values.scheduler
+    subs = [values.param_groups()] + ([values.expert_param_groups()] if _experts(cfg, to) else [])
+    if optimizer == "adam":
+        specs = param_order(cfg, to, p, 0, e)
+        parts = [specs] if len(subs) == 1 else [[s for s in specs if s.expert is None],
+                                                [s for s in specs if s.expert is not None]]
+        state["optimizer"] = [_adam_state(build, cfg, values, rank, part, groups)
+                              for part, groups in zip(parts, subs)]
+    elif optimizer == "distrib_optim":
+        state["optimizer"] = [{"optimizer": {"param_groups": groups}, **values.grad_scaler()} for groups in subs]
+    if optimizer is not None and len(subs) == 1:
+        state["optimizer"] = state["optimizer"][0]
+    state["rng_state"] = rng_states[f"tp={t},pp={p}"]
+    state["num_floating_point_operations_so_far"] = values.flops
+    state.update(values.extra)
+    return save_streamed(state, os.path.join(d, "model_optim_rng.pt"), placeholders,
+                         (tensor for _, tensor in build.stream(rank, paths)))
+
+
+def _adam_state(build, cfg: MegatronConfig, values, rank, specs, param_groups) -> dict:
+    """A non-distributed Adam's state dict: ``FP32Optimizer``'s, or ``Float16OptimizerWithFloat16Params``'
+    (with ``fp32_from_fp16_params``) for bf16/fp16 params, over ``specs`` (one sub-optimizer's)."""
+    step = values.step()
+    groups, state, mains, index = [], {}, [], 0
+    for g in param_groups:
+        no_wd = float(g.get("wd_mult", 1.0)) == 0.0
+        ids, group_mains = [], []
+        for spec in (s for s in specs if s.no_weight_decay == no_wd):
+            st = {name: build.leaf(optimizer_path(name, spec.path), rank) for name in ("exp_avg", "exp_avg_sq")}
+            if step is not None:
+                st["step"] = torch.tensor(float(step))
+            state[index] = st
+            group_mains.append(build.leaf(optimizer_path("param", spec.path), rank))
+            ids.append(index)
+            index += 1
+        groups.append({**g, "params": ids})
+        mains.append(group_mains)
+    inner = {"state": state, "param_groups": groups}
+    if cfg.params_dtype == "float32":
+        return inner
+    return {"optimizer": inner, "fp32_from_fp16_params": mains, **values.grad_scaler()}

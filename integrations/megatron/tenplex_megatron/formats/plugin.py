@@ -1,0 +1,116 @@
+"""The ``megatron-legacy`` and ``megatron-dist`` formats for the tenplex CLI.
+
+Registered through the ``tenplex.formats`` entry-point group (see
+``tenplex/cli/formats.py`` for the protocol). Both formats are read in
+place: ``describe`` reads metadata only (pickles, DCP's ``.metadata``,
+``common.pt``); ``open_source`` gives a shard source the planner and the
+store executor read by byte ranges; ``write`` writes any Megatron source
+(a tenplex store converted from Megatron, or a checkpoint of either
+format) a few target files at a time; ``verify`` checks the files on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tenplex.ptree.config import ParallelConfig
+
+from tenplex_megatron.formats.dist.keys import is_dist
+from tenplex_megatron.formats.description import Description
+from tenplex_megatron.formats.legacy.read import is_legacy
+
+# The readers and writers are imported where they are used: loading the plugin (every CLI
+# call) then costs no torch.distributed.checkpoint import (~0.7 s) unless a command needs it.
+
+__all__ = ["LEGACY", "DIST"]
+
+
+def _model_config(options: dict) -> dict | None:
+    """The ``--model-config`` JSON file's fields (a whole config, or overrides of the args)."""
+    path = options.get("model_config")
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+class _Legacy:
+    """Megatron-LM's per-rank ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` checkpoints."""
+
+    name = "megatron-legacy"
+
+    @staticmethod
+    def detect(path: str) -> bool:
+        return os.path.isdir(path) and is_legacy(path)
+
+    @staticmethod
+    def describe(path: str, **options) -> Description:
+        from tenplex_megatron.formats.legacy.read import describe_legacy
+
+        return describe_legacy(path, _model_config(options)).desc
+
+    @staticmethod
+    def open_source(path: str, **options):
+        from tenplex_megatron.formats.legacy.read import open_legacy
+
+        return open_legacy(path, _model_config(options), options.get("threads", 8))
+
+    @staticmethod
+    def write(source, path: str, to: ParallelConfig, **options) -> dict:
+        from tenplex_megatron.formats.legacy.write import write_legacy
+
+        return write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
+
+    @staticmethod
+    def verify(path: str, **options) -> dict:
+        from tenplex_megatron.formats.legacy.verify import verify_legacy
+
+        return verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
+                             threads=options.get("threads", 8), progress=options.get("progress"))
+
+
+class _Dist:
+    """megatron-core ``dist_checkpointing`` (``torch_dist``) directories."""
+
+    name = "megatron-dist"
+
+    @staticmethod
+    def detect(path: str) -> bool:
+        return os.path.isdir(path) and is_dist(path)
+
+    @staticmethod
+    def describe(path: str, **options) -> Description:
+        from tenplex_megatron.formats.dist.read import describe_dist
+
+        return describe_dist(path, _model_config(options)).desc
+
+    @staticmethod
+    def open_source(path: str, **options):
+        from tenplex_megatron.formats.dist.source import open_dist
+
+        return open_dist(path, _model_config(options))
+
+    @staticmethod
+    def write(source, path: str, to: ParallelConfig, **options) -> dict:
+        from tenplex_megatron.formats.dist.write import write_dist
+
+        return write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
+
+    @staticmethod
+    def reshard(src: str, dst: str, to: ParallelConfig, **options) -> dict | None:
+        """Direct dist-to-dist reshard (DCP items copied, vocab rows and args adjusted), or None."""
+        from tenplex_megatron.formats.dist.direct import reshard_dist
+
+        return reshard_dist(src, dst, to, _model_config(options))
+
+    @staticmethod
+    def verify(path: str, **options) -> dict:
+        from tenplex_megatron.formats.dist.verify import verify_dist
+
+        return verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
+                           threads=options.get("threads", 8), progress=options.get("progress"))
+
+
+LEGACY = _Legacy()
+DIST = _Dist()

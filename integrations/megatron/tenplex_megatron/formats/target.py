@@ -1,0 +1,171 @@
+"""Target ranks' local tensors, built from any shard source through the planner and the store executor.
+
+The Megatron writers use one :class:`TargetBuilder` each: it plans the move
+from the source's config to the target's, and builds one target rank's
+leaves at a time (leaves in parallel), so a writer holds what it is writing
+and no more. The source is any :class:`tenplex.store.source.ShardSource`:
+a tenplex store, or a Megatron checkpoint read in place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from tenplex.errors import ManifestError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.store.execute import StorePlanRunner, target_values
+from tenplex.transform.planner import make_plan
+
+from tenplex_megatron.model.config import MegatronConfig
+
+__all__ = ["TargetBuilder", "megatron_meta", "BUDGET"]
+
+BUDGET = 64 << 20
+"""Bytes of target tensors a builder works on at once (64 MiB)."""
+
+
+def megatron_meta(source) -> tuple[MegatronConfig, dict]:
+    """The model config and Megatron meta a source carries.
+
+    Raises:
+        ManifestError: if the source is not a Megatron model.
+    """
+    meta = (source.meta or {}).get("megatron")
+    if not meta or "config" not in meta:
+        raise ManifestError("the source is not a Megatron model (no megatron config in its meta); "
+                            "write it with --format tenplex")
+    return MegatronConfig.from_json(meta["config"]), meta
+
+
+def _whole(t, shape) -> torch.Tensor:
+    """A tensor with its own minimal storage (``torch.save`` writes a view's whole storage)."""
+    if isinstance(t, (list, tuple)):
+        return torch.cat([p.reshape(-1) for p in t]).view(shape)
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+class TargetBuilder:
+    """Plans ``source -> to`` and builds target ranks' local tensors.
+
+    Args:
+        source: the shard source.
+        to: the target config.
+        threads: leaves built (and stored tensors read) at once.
+        progress: ``progress(done_bytes, total_bytes)`` of target tensors built
+            (the total counts every dp-0 rank's leaves).
+        budget: bytes of target tensors built ahead at once (default :data:`BUDGET`);
+            each also holds the source bytes it is built from, so the transient
+            memory is a small multiple of it.
+
+    Attributes:
+        plan: the plan.
+        values: the target's value leaves (:func:`tenplex.store.execute.target_values`).
+        bytes_written: bytes of tensors handed out so far.
+
+    Raises:
+        ConfigError: ``to`` cannot hold the tree.
+    """
+
+    def __init__(self, source, to: ParallelConfig, threads: int = 8, budget: int = BUDGET,
+                 progress: Callable[[int, int], None] | None = None):
+        self.source, self.to, self.threads, self.budget = source, to, max(1, threads), budget
+        self.tree = source.tree
+        self.plan = make_plan(self.tree, source.config, to)
+        self.runner = StorePlanRunner(source, self.plan, self.threads)
+        self.values = target_values(self.tree, self.plan, source)
+        self._pool = ThreadPoolExecutor(self.threads)
+        self.progress, self.built, self._lock = progress, 0, threading.Lock()
+        D = self.runner.D
+        self.total = sum(h.numel * leaf.itemsize for r in range(to.world_size) if to.coord(r).dp == 0
+                         for p, leaf in self.tree.tensors()
+                         if (h := D.holding(p, to.coord(r))) is not None) if progress else 0
+
+    def close(self) -> None:
+        self.runner.close()
+        self._pool.shutdown()
+        if self.progress:
+            self.progress(self.total, self.total)
+
+    def _count(self, nbytes: int) -> None:
+        if self.progress:
+            with self._lock:
+                self.built += nbytes
+                self.progress(min(self.built, self.total), self.total)
+
+    def __enter__(self) -> "TargetBuilder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def paths(self, rank: int, prefix: str = "") -> list[str]:
+        """The tensor leaves under ``prefix`` that target ``rank`` holds, in tree order."""
+        coord = self.to.coord(rank)
+        return [p for p, _ in self.tree.tensors()
+                if p.startswith(prefix) and self.runner.D.holding(p, coord) is not None]
+
+    def leaf(self, path: str, rank: int) -> torch.Tensor:
+        """Target ``rank``'s local tensor of ``path`` (its own storage)."""
+        got = self.runner.leaf(path, [rank])
+        if rank not in got:
+            raise ManifestError(f"target rank {rank} holds no part of {path}")
+        out = _whole(got[rank], self.runner.D.holding(path, self.to.coord(rank)).shape)
+        self._count(out.numel() * out.element_size())
+        return out
+
+    def leaf_into(self, path: str, rank: int, out: torch.Tensor) -> None:
+        """Copy target ``rank``'s local tensor of ``path`` into the flat view ``out`` (no joined copy)."""
+        got = self.runner.leaf(path, [rank])
+        if rank not in got:
+            raise ManifestError(f"target rank {rank} holds no part of {path}")
+        parts = got[rank] if isinstance(got[rank], (list, tuple)) else [got[rank]]
+        position = 0
+        for part in parts:
+            n = part.numel()
+            out[position:position + n].copy_(part.reshape(-1))
+            position += n
+        if position != out.numel():
+            raise ManifestError(f"{path}: target rank {rank}'s tensor has {position} elements, the "
+                                f"buffer slot {out.numel()}")
+        self._count(out.numel() * out.element_size())
+
+    def fill(self, rank: int, jobs: list[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`leaf_into` for every ``(path, out)`` of ``jobs``, in parallel within the byte budget."""
+        work = [(out.numel() * out.element_size(), lambda p=path, o=out: self.leaf_into(p, rank, o))
+                for path, out in jobs]
+        for _ in self._bounded(work):
+            pass
+
+    def stream(self, rank: int, paths: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(path, local tensor)`` for ``paths`` in order, built ahead within the byte budget."""
+        paths = list(paths)
+        coord = self.to.coord(rank)
+        work = [(self.runner.D.holding(p, coord).numel * self.tree[p].itemsize,
+                 lambda p=p: self.leaf(p, rank)) for p in paths]
+        yield from zip(paths, self._bounded(work))
+
+    def _bounded(self, work: list[tuple[int, Callable]]) -> Iterator:
+        """Results of ``work`` (``(bytes, fn)``) in order; the jobs in flight hold at most
+        ``budget`` bytes of target tensors (a larger job runs alone)."""
+        pending: deque = deque()
+        held = 0
+        for nbytes, fn in work:
+            while pending and held + nbytes > self.budget:
+                size, future = pending.popleft()
+                held -= size
+                yield future.result()
+            pending.append((nbytes, self._pool.submit(fn)))
+            held += nbytes
+        while pending:
+            yield pending.popleft()[1].result()
+
+    def rank(self, rank: int, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every local tensor of target ``rank`` under ``prefix``."""
+        return dict(self.stream(rank, self.paths(rank, prefix)))
