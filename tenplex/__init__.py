@@ -3,32 +3,38 @@
 A job's state is a :class:`PTree` of leaves with declared layouts. The
 planner works out which part of which tensor each rank of a new parallel
 config needs and where it can be found; executors move exactly those bytes.
+
+This facade holds the verbs, the tree and layout vocabulary,
+:class:`ParallelConfig` and the errors. Planner and executor types stay in
+their packages (:mod:`tenplex.transform`: ``Plan``, ``Placement``, ...;
+:mod:`tenplex.formats`: the format protocol and its records;
+:mod:`tenplex.store`), and so do reports (``tenplex.api.ReshardReport``,
+``tenplex.elastic.ReconfigureReport``).
 """
 
 from tenplex.errors import (AlreadyExistsError, ConfigError, CorruptShardError, LayoutError,
                             ManifestError, MissingDataError, PathError, PlanError,
                             ReplicaMismatchError, ShardError, StoreError, TenplexError,
                             TransferError, UnsafePickleError)
-from tenplex.ptree import (Box, Bucketing, Coord, DPShard, Expert, FlatBuffer, Layout, Padding,
-                           ParallelConfig, PTree, Scope, Sharding, Split, Stage, StageKind,
-                           TensorLeaf, ValueLeaf, materialize)
-from tenplex.transform import (Device, ExecStats, Link, OpKind, Placement, Plan, execute_local,
-                               make_plan)
+from tenplex.ptree import (Bucketing, DPShard, Expert, FlatBuffer, Layout, Padding, ParallelConfig,
+                           PTree, Scope, Split, Stage, StageKind, TensorLeaf, ValueLeaf, materialize)
+from tenplex.transform import execute_local, make_plan
 
-from tenplex.api import ReshardReport, load, load_global, reshard, save, verify
-from tenplex import models
-from tenplex.elastic import ReconfigureReport, reconfigure, recover
+from tenplex.api import load, load_global, reshard, save, verify
+from tenplex.elastic import reconfigure, recover
 from tenplex.distributed_save import save_distributed
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlreadyExistsError", "Box", "Bucketing", "ConfigError", "Coord", "CorruptShardError", "DPShard",
-    "Device", "ExecStats", "Expert", "FlatBuffer", "Layout", "LayoutError", "Link", "ManifestError",
-    "MissingDataError", "OpKind", "PTree", "Padding", "ParallelConfig", "PathError", "Placement",
-    "Plan", "PlanError", "ReplicaMismatchError", "Scope", "ShardError", "Sharding", "Split",
-    "Stage", "StageKind", "StoreError", "TenplexError", "TensorLeaf", "TransferError",
-    "UnsafePickleError", "ValueLeaf", "ReshardReport", "execute_local", "load", "load_global", "make_plan", "materialize",
-    "models", "reshard", "save", "verify", "ReconfigureReport", "reconfigure", "recover",
-    "save_distributed",
+    # verbs
+    "save", "load", "load_global", "reshard", "verify", "reconfigure", "recover", "save_distributed",
+    "materialize", "make_plan", "execute_local",
+    # the tree and layout vocabulary
+    "PTree", "TensorLeaf", "ValueLeaf", "Scope", "Layout", "Split", "Stage", "StageKind", "Padding",
+    "DPShard", "FlatBuffer", "Bucketing", "Expert", "ParallelConfig",
+    # errors
+    "TenplexError", "ConfigError", "LayoutError", "PlanError", "StoreError", "ManifestError",
+    "ShardError", "CorruptShardError", "MissingDataError", "PathError", "AlreadyExistsError",
+    "ReplicaMismatchError", "TransferError", "UnsafePickleError",
 ]

@@ -1,24 +1,23 @@
-"""The public checkpoint API: save, load, load_global, reshard, verify."""
+"""The public checkpoint API: save, load, load_global, reshard (any format to any format), verify."""
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from tenplex.formats import TENPLEX, VerifyResult, detect, get_format
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import assemble
 from tenplex.store.blocks import DEFAULT_BLOCK
 from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.store.reader import StoreReader
-from tenplex.store.stream import MAX_OPEN_FILES, stream_targets
-from tenplex.store.verify import verify_store
-from tenplex.store.writer import StoreWriter, save
-from tenplex.transform.plan import Totals
+from tenplex.store.stream import MAX_OPEN_FILES
+from tenplex.store.writer import save
 from tenplex.transform.planner import make_plan
 from tenplex.units import Progress, format_bytes
 
@@ -26,35 +25,47 @@ __all__ = ["save", "load", "load_global", "reshard", "verify", "ReshardReport"]
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReshardReport:
     """What a reshard did.
 
     Attributes:
-        src, dst: the configs.
-        bytes_read: bytes fetched from the source's shard files (whole checksum blocks).
-        bytes_needed: unique source bytes the plan reads.
+        src_format, format: the source's and the target's format names.
+        src: the source's config (None after a direct reshard, which reads no plan).
+        dst: the target config.
+        bytes_read: bytes fetched from the source's files (for a tenplex
+            store: whole checksum blocks).
+        bytes_needed: unique source bytes the plan reads (None after a direct reshard).
         bytes_written: tensor bytes written to the target.
+        files: target files written.
         seconds: wall time, in seconds.
-        totals: the plan's byte totals.
         padding: one line per padded axis whose padded length changed.
+        notes: remarks for the user (what the target format dropped or derived).
+        direct: True when the source's stored items were copied as they are.
     """
 
-    src: ParallelConfig
+    src_format: str
+    format: str
+    src: ParallelConfig | None
     dst: ParallelConfig
     bytes_read: int
-    bytes_needed: int
+    bytes_needed: int | None
     bytes_written: int
+    files: int
     seconds: float
-    totals: Totals
-    padding: list[str] = field(default_factory=list)
+    padding: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    direct: bool = False
 
     def summary(self) -> str:
-        """One line: bytes read, needed and written, seconds and GB/s."""
+        """One line: formats, bytes read, needed and written, seconds and GB/s."""
         gbps = (self.bytes_read + self.bytes_written) / max(self.seconds, 1e-9) / 1e9
-        return (f"resharded {self.src} -> {self.dst}: read {format_bytes(self.bytes_read)} "
-                f"(needed {format_bytes(self.bytes_needed)}), wrote "
-                f"{format_bytes(self.bytes_written)} in {self.seconds:.2f} s ({gbps:.2f} GB/s)")
+        formats = "" if self.src_format == self.format == TENPLEX else \
+            f" ({self.src_format} -> {self.format}{', items copied directly' if self.direct else ''})"
+        needed = "" if self.bytes_needed is None else f" (needed {format_bytes(self.bytes_needed)})"
+        src = "" if self.src is None else f"{self.src} "
+        return (f"resharded {src}-> {self.dst}{formats}: read {format_bytes(self.bytes_read)}{needed}, "
+                f"wrote {format_bytes(self.bytes_written)} in {self.seconds:.2f} s ({gbps:.2f} GB/s)")
 
 
 def _joined(t, shape) -> torch.Tensor:
@@ -121,60 +132,69 @@ def load_global(url: str, *, storage_options: dict | None = None) -> dict[str, A
     return out
 
 
-def reshard(src: str, dst: str, to: ParallelConfig, *, storage_options: dict | None = None,
-            threads: int = 8, block: int = DEFAULT_BLOCK, max_open_files: int = MAX_OPEN_FILES,
-            progress: Progress | None = None) -> ReshardReport:
-    """Convert the checkpoint at ``src`` to config ``to``, written atomically at ``dst``.
+def reshard(src: str, dst: str, to: ParallelConfig, *, format: str | None = None,
+            storage_options: dict | None = None, threads: int = 8, block: int = DEFAULT_BLOCK,
+            max_open_files: int = MAX_OPEN_FILES, progress: Progress | None = None,
+            **options) -> ReshardReport:
+    """Convert the checkpoint at ``src`` (any installed format) to config ``to``, written atomically at ``dst``.
 
-    The source's manifest and every shard file's size and header are checked
-    before anything is written. Only the needed byte ranges are read, in
-    parallel; output files are streamed, at most ``max_open_files`` at once,
-    and the manifest is written last.
+    The source's format is detected (:func:`tenplex.formats.detect`); the
+    target's is ``format``, by default the source's. Where the format offers a
+    direct reshard within itself, that is tried first. Otherwise the source
+    is opened in place (its metadata and every file's size and header are
+    checked before anything is written), only the needed byte ranges are
+    read, in parallel, and the target format writes its files a bounded
+    number at a time (a tenplex store: at most ``max_open_files``, manifest last).
 
     Args:
-        src: the source checkpoint.
+        src: the source checkpoint (path or URL).
         dst: where to write; must not hold a committed checkpoint.
         to: the target config.
-        storage_options: fsspec options for both URLs.
+        format: the target format's name (``tenplex``, or a plugin's such as
+            ``megatron-dist``); default the source's.
+        storage_options: fsspec options for tenplex stores.
         threads: stored tensors fetched at once.
-        block: the target's checksum block size, in bytes.
+        block: a tenplex target's checksum block size, in bytes.
         max_open_files: target shard files open at once.
         progress: ``progress(done_bytes, total_bytes)``: target tensor bytes written.
+        options: format options (see :mod:`tenplex.formats.protocol`), e.g.
+            ``model_config`` for a Megatron checkpoint without args.
 
     Returns:
         A :class:`ReshardReport`.
 
     Raises:
-        ConfigError: ``to`` cannot hold the tree.
+        ConfigError: ``to`` cannot hold the tree, or ``format`` is unknown.
         AlreadyExistsError: ``dst`` holds a committed checkpoint, or another
             writer committed there first.
         ManifestError, CorruptShardError: a bad source; nothing is committed at
             ``dst``, and what this reshard wrote there is removed.
     """
     start = time.perf_counter()
-    reader = StoreReader(src, storage_options)
-    reader.check_files(threads)
-    tree = reader.tree
-    plan = make_plan(tree, reader.config, to)
-    runner = StorePlanRunner(reader, plan, threads)
-    try:
-        with StoreWriter(dst, tree, to, storage_options=storage_options, meta=reader.manifest.meta,
-                         block=block, progress=progress) as writer:
-            stream_targets(runner, writer, threads=threads, max_open_files=max_open_files)
-            writer.commit(target_values(tree, plan, reader))
-    finally:
-        runner.close()
-    padding = [str(p) for p in plan.padding]
-    return ReshardReport(reader.config, to, reader.bytes_read, runner.bytes_needed,
-                         writer.bytes_written, time.perf_counter() - start, plan.totals, padding)
+    src_fmt = detect(src)
+    out_fmt = get_format(format) if format else src_fmt
+    opts = {**options, "storage_options": storage_options, "threads": threads, "block": block,
+            "max_open_files": max_open_files, "progress": progress}
+    direct = getattr(out_fmt, "reshard", None) if out_fmt.name == src_fmt.name else None
+    result = direct(src, dst, to, **opts) if direct is not None else None
+    config = None
+    if result is None:
+        source = src_fmt.open_source(src, **opts)
+        config = source.config
+        result = out_fmt.write(source, dst, to, **opts)
+    return ReshardReport(src_fmt.name, out_fmt.name, config, to, result.bytes_read, result.bytes_needed,
+                         result.bytes_written, result.files, time.perf_counter() - start,
+                         tuple(result.padding), tuple(result.notes), result.direct)
 
 
 def verify(url: str, *, storage_options: dict | None = None, threads: int = 4,
-           progress: Progress | bool | None = None) -> dict:
-    """Check the manifest, every shard file's size and header, and every block checksum.
+           progress: Progress | bool | None = None, **options) -> VerifyResult:
+    """Check a checkpoint of any installed format on disk, without loading it.
 
-    Files are streamed block by block, ``threads`` at once, in bounded memory
-    (see :mod:`tenplex.store.verify`).
+    For a tenplex store: the manifest, every shard file's size and header, and
+    every block checksum, streamed block by block, ``threads`` files at once, in
+    bounded memory (see :mod:`tenplex.store.verify`). Other formats check
+    their own (see their ``verify``).
 
     Args:
         url: the checkpoint.
@@ -182,22 +202,24 @@ def verify(url: str, *, storage_options: dict | None = None, threads: int = 4,
         threads: files verified at once.
         progress: ``progress(done_bytes, total_bytes)``; ``None`` shows a tqdm
             bar on stderr when it is a terminal, ``True`` always; ``False`` shows nothing.
+        options: format options (see :mod:`tenplex.formats.protocol`).
 
     Returns:
-        ``{"files": n, "bytes": n, "tensors": n}`` on success (bytes of shard files).
+        A :class:`tenplex.formats.VerifyResult` on success.
 
     Raises:
-        ManifestError: a manifest that lies, naming the field.
+        ManifestError: metadata that lies, naming the field.
         CorruptShardError: a missing, truncated or corrupted file, or a header
             that lies, naming the file.
     """
-    reader = StoreReader(url, storage_options)
+    fmt = detect(url)
+    opts = {**options, "storage_options": storage_options, "threads": threads}
     if progress is False or callable(progress):
-        return verify_store(reader, threads=threads, progress=progress or None)
+        return fmt.verify(url, **opts, progress=progress or None)
     with tqdm(total=0, unit="B", unit_scale=True, desc="verify", disable=None if progress is None
               else False, file=sys.stderr) as bar:
         def show(done: int, total: int) -> None:
             bar.total, bar.n = total, done
             bar.refresh()
 
-        return verify_store(reader, threads=threads, progress=show)
+        return fmt.verify(url, **opts, progress=show)

@@ -24,15 +24,18 @@ LAYERS = {
     "tenplex.models": {"tenplex.ptree"},
     "tenplex.transform": {"tenplex.ptree"},
     "tenplex.store": {"tenplex.ptree", "tenplex.transform"},
+    # formats: the protocol, the registry and the tenplex store as a format, over store
+    "tenplex.formats": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
     # api, elastic and distributed_save are siblings over store: none imports another
-    "tenplex.api": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
+    "tenplex.api": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats"},
     "tenplex.elastic": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
     "tenplex.distributed_save": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
-    "tenplex.cli": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.models",
+    "tenplex.cli": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats", "tenplex.models",
                     "tenplex.api", "tenplex.elastic", "tenplex.distributed_save"},
 }
 """The graph drawn in docs/architecture.md."""
-CORE = {"tenplex", "tenplex.ptree", "tenplex.models", "tenplex.transform", "tenplex.store", "tenplex.api",
+CORE = {"tenplex", "tenplex.ptree", "tenplex.models", "tenplex.transform", "tenplex.store", "tenplex.formats",
+        "tenplex.api",
         "tenplex.elastic", "tenplex.distributed_save"}
 """What the integration may import of the core (not the CLI)."""
 MEGATRON = "tenplex_megatron"

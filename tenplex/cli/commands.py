@@ -9,17 +9,17 @@ disk. Nothing is converted into an intermediate store.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import sys
-import time
 from math import prod
 
 from tqdm import tqdm
 
-from tenplex.cli.formats import TENPLEX, detect, formats
+from tenplex import api
+from tenplex.api import ReshardReport
 from tenplex.cli.render import matrix, size, table
-from tenplex.errors import ConfigError
+from tenplex.formats import Description, detect
 from tenplex.ptree.sharding import Sharding
-from tenplex.store.reader import StoreReader
 from tenplex.transform.placement import Placement
 from tenplex.transform.planner import make_plan
 
@@ -48,87 +48,36 @@ class _Bar:
         self.bar.close()
 
 
-def _describe(path: str, args):
-    """``(format, tree, config, values, meta, files)`` from metadata only; ``files`` is
-    ``(count, stored bytes)`` for a tenplex store, else None."""
-    fmt = detect(path)
-    if fmt == TENPLEX:
-        reader = StoreReader(path)
-        m = reader.manifest
-        return fmt, reader.tree, reader.config, m.values, m.meta, (
-            len(m.files), sum(f.size for f in m.files.values()))
-    d = formats()[fmt].describe(path, **_options(args))
-    return fmt, d.tree, d.config, d.values, d.meta, None
+def _describe(path: str, args) -> Description:
+    return detect(path).describe(path, **_options(args))
 
 
-def _open(path: str, args):
-    fmt = detect(path)
-    if fmt == TENPLEX:
-        return fmt, StoreReader(path)
-    return fmt, formats()[fmt].open_source(path, **_options(args))
-
-
-def _report(args, summary: dict, padding, notes) -> None:
+def _report(args, r: ReshardReport) -> None:
     """Print a reshard's padding changes and notes (stderr) and its summary (stdout)."""
-    lines = [str(c) for c in padding]  # PaddingChange, or plugins' own lines
-    for line in lines:
+    for line in r.padding:
         print(f"padding: {line}", file=sys.stderr)
-    for note in notes:
+    for note in r.notes:
         print(f"note: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**summary, "padding": lines, "notes": list(notes)}))
+        out = {k: v for k, v in asdict(r).items() if k not in ("src", "dst")}
+        print(json.dumps({**out, "src": args.src if r.src is None else str(r.src), "dst": str(r.dst),
+                          "padding": list(r.padding), "notes": list(r.notes)}))
         return
-    gbps = (summary.get("bytes_read", 0) + summary.get("bytes_written", 0)) / max(summary["seconds"], 1e-9) / 1e9
-    formats_ = "" if summary["src_format"] == summary["format"] == TENPLEX else \
-        f" ({summary['src_format']} -> {summary['format']}{', items copied directly' if summary.get('direct') else ''})"
-    needed = f" (needed {size(summary['bytes_needed'])})" if "bytes_needed" in summary else ""
-    print(f"resharded {summary['src']} -> {summary['dst']}{formats_}: read {size(summary.get('bytes_read', 0))}"
-          f"{needed}, wrote {size(summary.get('bytes_written', 0))} in {summary['seconds']:.2f} s "
-          f"({gbps:.2f} GB/s)")
+    print(r.summary().replace("resharded -> ", f"resharded {args.src} -> ", 1))
 
 
 def reshard(args) -> int:
-    from tenplex.api import reshard as store_reshard
-    from tenplex.cli.convert import write_store
-
-    start = time.perf_counter()
-    plugins = formats()
-    src_fmt = detect(args.src)
-    out_fmt = args.format or src_fmt
-    if out_fmt != TENPLEX and out_fmt not in plugins:
-        raise ConfigError(f"--format {out_fmt}: unknown; expected one of "
-                          f"{', '.join([TENPLEX] + sorted(plugins))}")
-    base = {"dst": str(args.to), "src_format": src_fmt, "format": out_fmt}
-    direct = getattr(plugins.get(src_fmt), "reshard", None)
-    if direct is not None and out_fmt == src_fmt:
-        report = direct(args.src, args.dst, args.to, **_options(args))
-        if report is not None:
-            summary = {**base, "seconds": time.perf_counter() - start,
-                       **{k: v for k, v in report.items() if k not in ("padding", "notes")}}
-            _report(args, summary, report.get("padding", []), report.get("notes", []))
-            return 0
-    if src_fmt == TENPLEX and out_fmt == TENPLEX:
-        with _Bar("reshard") as bar:
-            r = store_reshard(args.src, args.dst, args.to, threads=args.threads, progress=bar)
-        summary = {**base, "src": str(r.src), "bytes_read": r.bytes_read, "bytes_needed": r.bytes_needed,
-                   "bytes_written": r.bytes_written, "seconds": r.seconds}
-        _report(args, summary, r.padding, [])
-        return 0
-    _, source = _open(args.src, args)
-    if out_fmt == TENPLEX:
-        with _Bar("reshard") as bar:
-            report = write_store(source, args.dst, args.to, threads=args.threads, progress=bar)
-    else:
-        with _Bar("reshard") as bar:
-            report = plugins[out_fmt].write(source, args.dst, args.to, **_options(args), progress=bar)
-    summary = {**base, "src": str(source.config), "bytes_read": source.bytes_read,
-               "bytes_written": report["bytes_written"], "seconds": time.perf_counter() - start}
-    _report(args, summary, report.get("padding", []), report.get("notes", []))
+    with _Bar("reshard") as bar:
+        r = api.reshard(args.src, args.dst, args.to, format=args.format, threads=args.threads,
+                        progress=bar, model_config=args.model_config)
+    _report(args, r)
     return 0
 
 
 def inspect(args) -> int:
-    fmt, tree, config, values, meta, files = _describe(args.path, args)
+    d = _describe(args.path, args)
+    fmt, tree, config, values, meta = d.format, d.tree, d.config, d.values, d.meta
+    files = None if d.files is None else (d.files, d.stored_bytes)
     sharding = Sharding(tree, config)
     rows, total = [], 0
     for path, leaf in tree.leaves.items():
@@ -160,7 +109,8 @@ def inspect(args) -> int:
 
 
 def plan(args) -> int:
-    _, tree, src, _, _, _ = _describe(args.path, args)
+    d = _describe(args.path, args)
+    tree, src = d.tree, d.config
     dst = args.to
     src_pl = Placement.contiguous(src.world_size, args.per_host)
     dst_pl = Placement.contiguous(dst.world_size, args.per_host)
@@ -199,19 +149,12 @@ def plan(args) -> int:
 
 def verify(args) -> int:
     fmt = detect(args.path)
-    if fmt == TENPLEX:
-        from tenplex.api import verify as run
-
-        result = run(args.path)
-        print(f"{args.path}: OK ({fmt}): {result['files']} files, {size(result['bytes'])}, "
-              f"{result['tensors']} tensors, every checksum verified")
-        return 0
     with _Bar("verify") as bar:
-        result = formats()[fmt].verify(args.path, **_options(args), checksums=args.checksums, progress=bar)
-    for name, digest in sorted((result.get("checksums") or {}).items()):
+        r = fmt.verify(args.path, **_options(args), checksums=args.checksums, progress=bar)
+    for name, digest in sorted((r.checksums or {}).items()):
         print(f"xxh3-128 {digest}  {name}")
-    print(f"{args.path}: OK ({fmt}): {result['files']} files, {size(result['bytes'])}, "
-          f"{result['tensors']} tensors, every record's CRC-32 verified on disk")
+    print(f"{args.path}: OK ({fmt.name}): {r.files} files, {size(r.bytes)}, {r.tensors} tensors, "
+          f"{r.checked} verified")
     return 0
 
 

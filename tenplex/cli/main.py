@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 
-from tenplex.cli.formats import commands as plugin_commands
+from tenplex.cli.plugins import commands as plugin_commands
 from tenplex.errors import ConfigError, TenplexError
 from tenplex.ptree.config import ParallelConfig
 

@@ -33,7 +33,7 @@ class RoundTripSuite(StoreFixtures):
         assert_same_global(tree, st, got)
         assert got["optimizer/step"] == st["optimizer/step"]
         assert got["rng/tensor_parallel"] == st["rng/tensor_parallel"]
-        assert verify(f"{root}/ck", progress=False)["tensors"] > 0
+        assert verify(f"{root}/ck", progress=False).tensors > 0
 
     @pytest.mark.parametrize("target,block", [(TARGETS[0], 96), (TARGETS[1], 4096),
                                               (TARGETS[2], 1000)])

@@ -25,7 +25,7 @@ import torch
 from hostile_corpus import CASES, CWD_MARKER, DOPT_PT, MODEL_PT, Ctx, real_checkpoint
 from hostile_pickles import pt_records
 
-from tenplex.cli.convert import write_store
+from tenplex.formats import write_store
 from tenplex.errors import TenplexError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron.dcp import safe as dcp_safe

@@ -243,7 +243,7 @@ def _global(source, path: str) -> torch.Tensor:
 def test_conversions_keep_every_global_tensor(sources, opt_source, tmp_path_factory, src, fmt, tp, pp, dp):
     """Any source format to any target format and config: every global tensor (model and optimizer
     state, logical rows) is bit-for-bit the source's, read back through tenplex's readers."""
-    from tenplex.cli.convert import write_store
+    from tenplex.formats import write_store
     from tenplex.ptree.config import ParallelConfig
     from tenplex_megatron.formats.plugin import DIST, LEGACY
 

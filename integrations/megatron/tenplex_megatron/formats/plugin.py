@@ -1,7 +1,7 @@
-"""The ``megatron-legacy`` and ``megatron-dist`` formats for the tenplex CLI.
+"""The ``megatron-legacy`` and ``megatron-dist`` formats, as :class:`tenplex.formats.Format` objects.
 
 Registered through the ``tenplex.formats`` entry-point group (see
-``tenplex/cli/formats.py`` for the protocol). Both formats are read in
+:mod:`tenplex.formats.protocol` for the protocol). Both formats are read in
 place: ``describe`` reads metadata only (pickles, DCP's ``.metadata``,
 ``common.pt``); ``open_source`` gives a shard source the planner and the
 store executor read by byte ranges; ``write`` writes any Megatron source
@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 
+from tenplex.formats.protocol import Description, VerifyResult, WriteResult, padding_lines
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.formats.dist.keys import is_dist
-from tenplex_megatron.formats.description import Description
+from tenplex_megatron.formats.description import Description as MegatronDescription
 from tenplex_megatron.formats.legacy.read import is_legacy
 
 # The readers and writers are imported where they are used: loading the plugin (every CLI
@@ -35,6 +36,24 @@ def _model_config(options: dict) -> dict | None:
         return json.load(f)
 
 
+def _description(name: str, d: MegatronDescription) -> Description:
+    return Description(format=name, tree=d.tree, config=d.config, values=d.values, meta=d.meta,
+                       notes=tuple(d.notes))
+
+
+def _written(r: dict, bytes_read: int, direct: bool = False) -> WriteResult:
+    """The protocol's record of a Megatron writer's ``{"bytes_written", "files", ...}``."""
+    return WriteResult(bytes_read=bytes_read, bytes_needed=r.get("bytes_needed"),
+                       bytes_written=r["bytes_written"], files=r["files"],
+                       padding=padding_lines(r.get("padding", [])), notes=tuple(r.get("notes", [])),
+                       direct=direct)
+
+
+def _verified(r: dict) -> VerifyResult:
+    return VerifyResult(files=r["files"], bytes=r["bytes"], tensors=r["tensors"],
+                        checked="every record's CRC-32", checksums=r.get("checksums"))
+
+
 class _Legacy:
     """Megatron-LM's per-rank ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` checkpoints."""
 
@@ -48,7 +67,7 @@ class _Legacy:
     def describe(path: str, **options) -> Description:
         from tenplex_megatron.formats.legacy.read import describe_legacy
 
-        return describe_legacy(path, _model_config(options)).desc
+        return _description(_Legacy.name, describe_legacy(path, _model_config(options)).desc)
 
     @staticmethod
     def open_source(path: str, **options):
@@ -57,17 +76,18 @@ class _Legacy:
         return open_legacy(path, _model_config(options), options.get("threads", 8))
 
     @staticmethod
-    def write(source, path: str, to: ParallelConfig, **options) -> dict:
+    def write(source, path: str, to: ParallelConfig, **options) -> WriteResult:
         from tenplex_megatron.formats.legacy.write import write_legacy
 
-        return write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
+        r = write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
+        return _written(r, source.bytes_read)
 
     @staticmethod
-    def verify(path: str, **options) -> dict:
+    def verify(path: str, **options) -> VerifyResult:
         from tenplex_megatron.formats.legacy.verify import verify_legacy
 
-        return verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
-                             threads=options.get("threads", 8), progress=options.get("progress"))
+        return _verified(verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
+                             threads=options.get("threads", 8), progress=options.get("progress")))
 
 
 class _Dist:
@@ -83,7 +103,7 @@ class _Dist:
     def describe(path: str, **options) -> Description:
         from tenplex_megatron.formats.dist.read import describe_dist
 
-        return describe_dist(path, _model_config(options)).desc
+        return _description(_Dist.name, describe_dist(path, _model_config(options)).desc)
 
     @staticmethod
     def open_source(path: str, **options):
@@ -92,24 +112,26 @@ class _Dist:
         return open_dist(path, _model_config(options))
 
     @staticmethod
-    def write(source, path: str, to: ParallelConfig, **options) -> dict:
+    def write(source, path: str, to: ParallelConfig, **options) -> WriteResult:
         from tenplex_megatron.formats.dist.write import write_dist
 
-        return write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
+        r = write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
+        return _written(r, source.bytes_read)
 
     @staticmethod
-    def reshard(src: str, dst: str, to: ParallelConfig, **options) -> dict | None:
+    def reshard(src: str, dst: str, to: ParallelConfig, **options) -> WriteResult | None:
         """Direct dist-to-dist reshard (DCP items copied, vocab rows and args adjusted), or None."""
         from tenplex_megatron.formats.dist.direct import reshard_dist
 
-        return reshard_dist(src, dst, to, _model_config(options))
+        r = reshard_dist(src, dst, to, _model_config(options))
+        return None if r is None else _written(r, r["bytes_read"], direct=True)
 
     @staticmethod
-    def verify(path: str, **options) -> dict:
+    def verify(path: str, **options) -> VerifyResult:
         from tenplex_megatron.formats.dist.verify import verify_dist
 
-        return verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
-                           threads=options.get("threads", 8), progress=options.get("progress"))
+        return _verified(verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
+                           threads=options.get("threads", 8), progress=options.get("progress")))
 
 
 LEGACY = _Legacy()

@@ -163,7 +163,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return {"bytes_written": writer.bytes_written, "files": files,
+        return {"bytes_written": writer.bytes_written, "files": files, "bytes_needed": build.runner.bytes_needed,
                 "padding": list(build.plan.padding), "notes": values.notes}
 
 

@@ -131,6 +131,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
             f.write(str(values.iteration))
         os.replace(tracker, os.path.join(root, TRACKER))
         return {"bytes_written": written, "files": files, "padding": list(build.plan.padding),
+                "bytes_needed": build.runner.bytes_needed,
                 "notes": values.notes}
 
 

@@ -1,0 +1,147 @@
+"""The format protocol: what every checkpoint format implements, and the records it returns.
+
+A format is an object with a ``name`` and five calls, made in this order
+(modelled on Orbax's ``CheckpointLayout`` and PyTorch DCP's
+``StorageReader``/``WriteResult``):
+
+1. ``detect(path) -> bool``: whether ``path`` holds a checkpoint of this
+   format. It reads at most a directory listing and a small marker file.
+2. ``describe(path, **options) -> Description``: what the checkpoint holds,
+   from its metadata only (no tensor data).
+3. ``open_source(path, **options) -> ShardSource``: the checkpoint's own files
+   as a :class:`tenplex.store.source.ShardSource`, which the planner and the
+   store executor read in place, by byte ranges.
+4. ``write(source, path, to, **options) -> WriteResult``: any ``ShardSource``,
+   laid out for ``to``, written at ``path`` as a checkpoint of this format, a
+   bounded number of target files at a time, and committed atomically:
+   nothing is visible at ``path`` until every file is written, and a failure
+   leaves nothing there.
+5. ``verify(path, **options) -> VerifyResult``: the files on disk checked
+   against their own checksums, without loading the checkpoint.
+
+A format may also offer ``reshard(src, dst, to, **options) -> WriteResult |
+None``: a direct reshard within the format (for files that hold model-space
+tensors); None when it cannot, and the caller then goes through the planner.
+
+``options`` are keyword arguments every call accepts and ignores where they
+do not apply: ``model_config`` (a JSON file's path with the model's fields),
+``threads`` (reads or files at once), ``checksums`` (``verify`` also returns
+a digest per file), ``progress`` (``progress(done_bytes, total_bytes)``), and
+format-specific ones a format documents itself.
+
+Formats are found by :mod:`tenplex.formats.registry`: the tenplex store is
+built in; other packages add formats through the ``tenplex.formats``
+entry-point group, each entry point naming a ``Format`` object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.tree import PTree
+from tenplex.store.source import ShardSource
+
+__all__ = ["Format", "Description", "WriteResult", "VerifyResult", "Progress", "padding_lines"]
+
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``."""
+
+
+@dataclass(frozen=True)
+class Description:
+    """A checkpoint in tenplex terms, without its tensor data.
+
+    Attributes:
+        format: the format's name.
+        tree: the tree spec (tensor leaves with global shapes, dtypes, layouts).
+        config: the parallel config the checkpoint's files are laid out for.
+        values: ``{path: JSON value}`` of the value leaves read from metadata
+            (possibly partial: a format may read some only on demand).
+        meta: free-form JSON the format carries along (e.g. Megatron args).
+        files: the number of files holding tensor data, where known cheaply.
+        stored_bytes: their total size in bytes, where known cheaply.
+        notes: remarks for the user, one line each.
+    """
+
+    format: str
+    tree: PTree
+    config: ParallelConfig
+    values: Mapping[str, Any]
+    meta: Mapping[str, Any]
+    files: int | None = None
+    stored_bytes: int | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """What a write (or a direct reshard) did.
+
+    Attributes:
+        bytes_read: bytes fetched from the source's files.
+        bytes_needed: unique source bytes the plan reads (None where the
+            format copied stored items whole, without a plan).
+        bytes_written: tensor bytes written to the target.
+        files: files written.
+        padding: one line per padded axis whose padded length changed.
+        notes: remarks for the user (what was dropped, derived or kept), one line each.
+        direct: True when stored items were copied as they are, without the planner.
+    """
+
+    bytes_read: int
+    bytes_needed: int | None
+    bytes_written: int
+    files: int
+    padding: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    direct: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What ``verify`` checked, when every check passed.
+
+    Attributes:
+        files: files checked.
+        bytes: bytes of those files read and checked.
+        tensors: stored tensors.
+        checked: what was checked, in words (e.g. ``"every block's xxh3 checksum"``).
+        checksums: ``{relative path: xxh3-128 hex digest}`` when asked for, else None.
+    """
+
+    files: int
+    bytes: int
+    tensors: int
+    checked: str
+    checksums: Mapping[str, str] | None = None
+
+
+@runtime_checkable
+class Format(Protocol):
+    """A checkpoint format; see the module docstring for the call order and options.
+
+    Errors: every call raises :class:`tenplex.errors.TenplexError` subclasses:
+    ``ManifestError`` for metadata that lies or is missing,
+    ``CorruptShardError`` for tensor data that fails a check,
+    ``ConfigError`` for a target the checkpoint cannot be laid out for,
+    ``AlreadyExistsError`` for a ``write`` to a committed checkpoint.
+    """
+
+    name: str
+
+    def detect(self, path: str) -> bool: ...
+
+    def describe(self, path: str, **options) -> Description: ...
+
+    def open_source(self, path: str, **options) -> ShardSource: ...
+
+    def write(self, source: ShardSource, path: str, to: ParallelConfig, **options) -> WriteResult: ...
+
+    def verify(self, path: str, **options) -> VerifyResult: ...
+
+
+def padding_lines(changes) -> tuple[str, ...]:
+    """``str`` of each padding change (``PaddingChange`` records or lines already)."""
+    return tuple(str(c) for c in changes)

@@ -1,0 +1,66 @@
+"""Which formats are installed, and which one a path is.
+
+The tenplex store is built in (:mod:`tenplex.formats.store`); other packages
+add formats through the ``tenplex.formats`` entry-point group, each entry
+point naming a :class:`~tenplex.formats.protocol.Format` object (the
+``tenplex-megatron`` package adds ``megatron-legacy`` and ``megatron-dist``).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from tenplex.errors import ConfigError, ManifestError
+from tenplex.formats.protocol import Format
+from tenplex.formats.store import TENPLEX, TenplexFormat
+from tenplex.store.manifest import MANIFEST
+
+__all__ = ["formats", "get_format", "detect"]
+
+ENTRY_POINTS = "tenplex.formats"
+"""The entry-point group formats register under."""
+
+
+def formats() -> dict[str, Format]:
+    """``{name: format}``: the tenplex store first, then every installed plugin by entry-point order.
+
+    Raises:
+        ConfigError: a plugin's object lacks a call of the protocol, or its
+            name is taken.
+    """
+    out: dict[str, Format] = {TENPLEX: TenplexFormat()}
+    for ep in entry_points(group=ENTRY_POINTS):
+        fmt = ep.load()
+        if not isinstance(fmt, Format):
+            raise ConfigError(f"entry point {ep.name} = {ep.value}: expected a tenplex.formats.Format "
+                              f"(name, detect, describe, open_source, write, verify); found {type(fmt).__name__}")
+        if fmt.name in out:
+            raise ConfigError(f"entry point {ep.name} = {ep.value}: format name {fmt.name!r} is taken")
+        out[fmt.name] = fmt
+    return out
+
+
+def get_format(name: str) -> Format:
+    """The installed format called ``name``.
+
+    Raises:
+        ConfigError: no such format.
+    """
+    known = formats()
+    if name not in known:
+        raise ConfigError(f"format {name!r}: unknown; expected one of {', '.join(known)}")
+    return known[name]
+
+
+def detect(path: str) -> Format:
+    """The format of the checkpoint at ``path`` (the tenplex store is asked first).
+
+    Raises:
+        ManifestError: no installed format recognizes it.
+    """
+    known = formats()
+    for fmt in known.values():
+        if fmt.detect(path):
+            return fmt
+    raise ManifestError(f"{path}: not a checkpoint of any known format ({', '.join(known)}); "
+                        f"a tenplex checkpoint has a {MANIFEST}")
