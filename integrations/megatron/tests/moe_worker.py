@@ -1,7 +1,6 @@
 """Build, train, save, load and run a real megatron-core 0.16.1 GPTModel on CPU,
 with experts (EP, expert TP), virtual pipeline (VPP) and context parallel (CP).
-Facts behind it: integrations/megatron/NOTES.md section 8 (the full record with run logs was
-/work/scratch/r13/FACTS.md, by r13, who wrote this worker).
+Facts behind it: integrations/megatron/NOTES.md section 8.
 
 An extension of integrations/megatron/tests/mcore_worker.py (same flags and
 output lines) for issue 13. Launch with torchrun; world = tp*cp*dp*pp::

@@ -50,11 +50,13 @@ def test_expert_group_idx_follows_etp_ep_pp_ranks():
     """The expert optimizer's dp_group_idx is the rank in the etp x ep x pp group (tp-ep-pp order)."""
     cfg = MegatronConfig(**MOE)
     config = ParallelConfig(dp=4, tp=2, pp=2, ep=2, etp=2)  # world 16: edp 2
-    for rank in range(config.world_size):
+    for rank in range(config.world_size):  # every rank: a layer of its stage, an expert of its ep rank
         c = config.coord(rank)
-        buf, *_ = flat_index(cfg, config, "model/decoder/layers/3/mlp/experts/3/linear_fc2/weight", c) \
-            if c.ep == 1 and c.pp == 1 else (None,)
-        if buf is not None:
-            assert (buf.prefix, buf.group_idx, buf.chunk) == ("chained_1.", c.etp + 2 * (c.ep + 2 * c.pp), 0)
+        layer, expert = 2 * c.pp + 1, 2 * c.ep + 1  # 4 layers over pp 2; 4 experts over ep 2
+        path = f"model/decoder/layers/{layer}/mlp/experts/{expert}/linear_fc2/weight"
+        found = flat_index(cfg, config, path, c)
+        assert found is not None, (rank, path)
+        buf = found[0]
+        assert (buf.prefix, buf.group_idx, buf.chunk) == ("chained_1.", c.etp + 2 * (c.ep + 2 * c.pp), 0), rank
     groups = {(b.prefix, b.group_idx) for b in optimizer_buffers(cfg, config)}
     assert groups == {("chained_0.", m) for m in range(4)} | {("chained_1.", x) for x in range(8)}

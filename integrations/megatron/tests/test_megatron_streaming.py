@@ -289,3 +289,40 @@ def test_a_read_error_mid_write_stops_every_writer_and_leaves_nothing(opt_source
         legacy_write._write_rank = real_rank
     assert legacy_write.FILES_AT_ONCE >= 2 and len(started) < 4, started  # later ranks never started
     assert os.listdir(tmp_path / "out") == []
+
+
+@pytest.mark.slow
+def test_api_reshard_of_megatron_to_1024_store_ranks_keeps_open_files_at_the_cap(opt_source, tmp_path,
+                                                                                  monkeypatch):
+    """``tenplex.reshard`` takes a Megatron checkpoint through the format protocol; a store target of
+    1024 ranks (each with its own slice of the distributed optimizer's buffers) is written through
+    the bounded stream, never more than ``max_open_files`` files open at once."""
+    import tenplex
+    import tenplex.store.writer as writer_module
+    from tenplex.formats.conformance import global_tensors
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex.store.reader import StoreReader
+
+    live, peak = set(), [0]
+    opened, closed = writer_module._FileWriter.__init__, writer_module._FileWriter.close
+
+    def counting_init(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        live.add(id(self))
+        peak[0] = max(peak[0], len(live))
+
+    def counting_close(self):
+        live.discard(id(self))
+        return closed(self)
+
+    monkeypatch.setattr(writer_module._FileWriter, "__init__", counting_init)
+    monkeypatch.setattr(writer_module._FileWriter, "close", counting_close)
+    src, out = str(opt_source / "legacy"), str(tmp_path / "wide")
+    report = tenplex.reshard(src, out, ParallelConfig(dp=1024, tp=1, pp=1), format="tenplex", max_open_files=16)
+    assert (report.src_format, report.format, report.files) == ("megatron-legacy", "tenplex", 1024)
+    assert 1 < peak[0] <= 16, peak[0]
+    assert len(list((tmp_path / "wide" / "shards").iterdir())) == 1024
+    want, got = global_tensors(_open(src)), global_tensors(StoreReader(out))
+    assert list(got) == list(want)
+    for path, tensor in want.items():
+        assert torch.equal(got[path], tensor), path

@@ -1,0 +1,57 @@
+"""Both Megatron formats join the format conformance suite (tenplex.formats.conformance).
+
+The source is a tenplex store of a Megatron GPT tree with random tensors and
+the value leaves a Megatron checkpoint carries, so the suite runs in seconds
+without megatron-core. The megatron-core torchrun tests stay the oracle for
+what megatron-core itself writes and loads.
+"""
+
+from __future__ import annotations
+
+import glob
+
+from tenplex.formats.conformance import FormatConformance
+from tenplex.models import random_state
+from tenplex.ptree.config import ParallelConfig
+from tenplex_megatron.formats.plugin import DIST, LEGACY
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.layouts import megatron_tree
+
+CFG = MegatronConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                     ffn_hidden_size=64, num_query_groups=2)
+ARGS = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 100,
+        "ffn_hidden_size": 64, "group_query_attention": True, "num_query_groups": 2,
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+        "make_vocab_size_divisible_by": 128}
+
+
+class _Megatron(FormatConformance):
+    source_config = ParallelConfig(dp=1, tp=2, pp=1)
+    target_config = ParallelConfig(dp=1, tp=1, pp=2)
+
+    def make_tree(self):
+        return megatron_tree(CFG)
+
+    def make_state(self, tree, config):
+        state = random_state(tree, config, seed=7)
+        state.update({"megatron/iteration": 5, "megatron/checkpoint_version": 3.0, "megatron/args": ARGS,
+                      "megatron/opt_param_scheduler": None, "megatron/optimizer": None})
+        return state
+
+    def meta(self, tree):
+        return {"megatron": {"format": "legacy", "config": CFG.to_json(), "optimizer": None,
+                             "buffer_dtypes": None}}
+
+
+class TestLegacyFormat(_Megatron):
+    format = LEGACY
+
+    def metadata_file(self, path: str) -> str:
+        return sorted(glob.glob(f"{path}/iter_*/mp_rank_*/model_optim_rng.pt"))[0]
+
+
+class TestDistFormat(_Megatron):
+    format = DIST
+
+    def metadata_file(self, path: str) -> str:
+        return glob.glob(f"{path}/**/.metadata", recursive=True)[0]
