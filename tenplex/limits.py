@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["MAX_PICKLE_OBJECTS", "MAX_WALK", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_NODES",
            "MAX_WORLD", "MAX_DEGREE", "MAX_LAYERS", "MAX_EXPERTS", "MAX_HEADS", "MAX_VOCAB",
-           "MAX_HIDDEN", "MAX_SAFETENSORS_HEADER", "short", "check_count", "Walk"]
+           "MAX_HIDDEN", "MAX_SAFETENSORS_HEADER", "SAFE_REPR", "short", "check_count", "Walk"]
 
 
 def _env(name: str, default: int) -> int:
@@ -72,6 +72,11 @@ MAX_HIDDEN = _env("MAX_HIDDEN", 1 << 20)
 """Largest hidden, FFN or head size (1 Mi)."""
 
 
+SAFE_REPR: set[type] = set()
+"""Types whose own ``repr`` is short and safe to call (their objects hold no file data):
+registered by the modules that define them."""
+
+
 def check_count(value: Any, field: str, hi: int, lo: int = 0, error: type[Exception] = ValueError) -> int:
     """``value`` if it is an int (not a bool) in ``[lo, hi]``, else ``error`` naming ``field``."""
     if type(value) is not int or not lo <= value <= hi:
@@ -104,6 +109,8 @@ def _short(value: Any, out: list[str], left: list[int], depth: int) -> None:
     elif isinstance(value, (list, tuple, dict, set, frozenset)) and depth < 8:
         _container(value, out, left, depth)
         return
+    elif type(value) in SAFE_REPR:
+        piece = repr(value)[:left[0] + 1]
     else:
         piece = f"<{type(value).__name__}>"
     out.append(piece)

@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 from tenplex.errors import ConfigError
 
+from tenplex_megatron.model.limits import check_fields
+
 __all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args", "stage_layers",
            "uneven_args", "args_for", "check_vocab"]
 
@@ -85,6 +87,7 @@ class MegatronConfig:
     moe_grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(vars(self), "MegatronConfig")
         if isinstance(self.moe_layer_freq, list):
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         if self.num_moe_experts and self.moe_ffn_hidden_size is None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tenplex.errors import UnsafePickleError
-from tenplex.limits import MAX_PICKLE_OBJECTS, short
+from tenplex.limits import MAX_PICKLE_OBJECTS, SAFE_REPR, short
 
 __all__ = ["Refused", "Rule", "Profile", "unpickle", "MAX_PICKLE_BYTES"]
 
@@ -70,6 +70,9 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"{self.module}.{self.name}"
+
+
+SAFE_REPR.add(Rule)
 
 
 @dataclass

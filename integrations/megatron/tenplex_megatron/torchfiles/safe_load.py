@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import CorruptShardError, UnsafePickleError
-from tenplex.limits import short
+from tenplex.limits import SAFE_REPR, short
 from tenplex.ptree.tree import DTYPES
 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
@@ -96,6 +96,7 @@ class _ValueOnly:
         return self.name
 
 
+SAFE_REPR.update({_ValueOnly, torch.dtype, torch.layout, torch.memory_format})
 _NDARRAY = _ValueOnly("numpy.ndarray")  # what GLOBAL numpy.ndarray pushes: only _reconstruct takes it
 
 
