@@ -35,8 +35,8 @@ def _env(name: str, default: int) -> int:
 MAX_PICKLE_OBJECTS = _env("MAX_PICKLE_OBJECTS", 1 << 23)
 """Most objects one pickle may build (8 Mi; about 64 bytes of Python objects each)."""
 
-MAX_WALK = _env("MAX_WALK", 1 << 23)
-"""Most nodes a walk over a loaded object visits (shared references count each time they are reached)."""
+MAX_WALK = _env("MAX_WALK", 1 << 21)
+"""Most nodes a walk over a loaded object visits (2 Mi; shared references count each time they are reached)."""
 
 MAX_JSON_BYTES = _env("MAX_JSON_BYTES", 1 << 28)
 """Largest JSON document read (256 MiB: a 1 TB checkpoint in 1 MiB blocks needs ~40 MB)."""
@@ -77,6 +77,9 @@ SAFE_REPR: set[type] = set()
 registered by the modules that define them."""
 
 
+_TORCH_SAFE = {("torch", "dtype"), ("torch", "layout"), ("torch", "memory_format")}
+
+
 def check_count(value: Any, field: str, hi: int, lo: int = 0, error: type[Exception] = ValueError) -> int:
     """``value`` if it is an int (not a bool) in ``[lo, hi]``, else ``error`` naming ``field``."""
     if type(value) is not int or not lo <= value <= hi:
@@ -109,7 +112,7 @@ def _short(value: Any, out: list[str], left: list[int], depth: int) -> None:
     elif isinstance(value, (list, tuple, dict, set, frozenset)) and depth < 8:
         _container(value, out, left, depth)
         return
-    elif type(value) in SAFE_REPR:
+    elif type(value) in SAFE_REPR or (type(value).__module__, type(value).__name__) in _TORCH_SAFE:
         piece = repr(value)[:left[0] + 1]
     else:
         piece = f"<{type(value).__name__}>"

@@ -15,6 +15,7 @@ from math import ceil
 from typing import Any, Mapping
 
 from tenplex.errors import ConfigError
+from tenplex.limits import short
 
 from tenplex_megatron.model.limits import check_fields
 
@@ -254,7 +255,9 @@ def args_to_json(args: Any) -> dict:
         elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v):
             out[k] = list(v)
         else:
-            out[k] = {"__repr__": repr(v)} if not str(v).startswith("torch.") else str(v)
+            text = short(v, 4096)  # bounded: a value from a file may be a DAG with an exponential repr
+            out[k] = text if text.startswith("torch.") and not isinstance(v, (dict, list, tuple)) \
+                else {"__repr__": text}
     return out
 
 

@@ -17,7 +17,10 @@ from tenplex.errors import ConfigError
 from tenplex.limits import (MAX_DEGREE, MAX_EXPERTS, MAX_HEADS, MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB,
                             MAX_WORLD, check_count)
 
-__all__ = ["ARG_LIMITS", "check_args", "check_fields"]
+__all__ = ["ARG_LIMITS", "SCALARS", "check_args", "check_fields", "check_scalars"]
+
+SCALARS = ("megatron/iteration", "megatron/checkpoint_version", "megatron/num_floating_point_operations_so_far")
+"""Values a Megatron file states as scalars, kept as they are."""
 
 _DEGREES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
             "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -54,3 +57,19 @@ def check_args(args: Any, where: str) -> None:
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: args: expected a Namespace or a mapping, found {type(args).__name__}")
     check_fields(values, where)
+
+
+def check_scalars(values: dict, names: tuple[str, ...], where: str) -> None:
+    """Each of ``values[name]`` is None, a bool, a number or a short string (a value a file states
+    as a scalar, such as ``checkpoint_version``, kept as-is in the tree's values).
+
+    Raises:
+        ConfigError: naming ``where`` and the field, with a bounded description of what was found.
+    """
+    from tenplex.limits import short
+    for name in names:
+        value = values.get(name)
+        ok = value is None or type(value) in (bool, float) or (type(value) is int and value.bit_length() < 64) \
+            or (type(value) is str and len(value) <= 256)
+        if not ok:
+            raise ConfigError(f"{where}: {name.split('/')[-1]}: expected a number, found {short(value)}")

@@ -262,7 +262,10 @@ def _to_refs(obj: Any, shadow: Any, path: str, start: int, end: int, what: str) 
         done[key] = out
         return out
 
-    return convert(obj, shadow)
+    try:
+        return convert(obj, shadow)
+    except RecursionError:
+        raise ManifestError(f"{what}: objects nested too deeply") from None
 
 
 def _differs(what: str, where: Any) -> ManifestError:

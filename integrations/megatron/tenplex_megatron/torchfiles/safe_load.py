@@ -126,7 +126,21 @@ def _rebuild_tensor(args: tuple) -> _Tensor:
     if end > storage.numel:
         raise Refused(f"a tensor of size {size}, stride {stride}, offset {offset} reaches element "
                       f"{end} of a storage of {storage.numel} elements")
+    if not _distinct(size, stride):
+        raise Refused(f"a tensor of size {size}, stride {stride} is an expanded or overlapping view "
+                      "(elements share storage); tenplex reads tensors whose elements are distinct")
     return _Tensor(storage.dtype, size, storage, offset, stride)
+
+
+def _distinct(size: tuple, stride: tuple) -> bool:
+    """Whether a view's elements lie at distinct storage positions: sorted by stride, each axis
+    steps past everything the axes before it span (a stride-0 axis of length > 1 never does)."""
+    extent = 1
+    for n, s in sorted(((n, s) for n, s in zip(size, stride) if n > 1), key=lambda p: p[1]):
+        if s < extent:
+            return False
+        extent = s * (n - 1) + extent
+    return True
 
 
 def _ordered_dict(args: tuple) -> OrderedDict:

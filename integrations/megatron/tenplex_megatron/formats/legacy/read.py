@@ -39,7 +39,7 @@ from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
                                       rank_keys)  # rank_keys: re-exported
 from tenplex_megatron.formats.legacy.grid import legacy_grid, legacy_writers, rank_dir_name, rank_dirs
-from tenplex_megatron.model.limits import check_args
+from tenplex_megatron.model.limits import SCALARS, check_args, check_scalars
 from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs
 from tenplex_megatron.torchfiles.safe_load import open_regular
 from tenplex_megatron.formats.source import MegatronSource
@@ -402,6 +402,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         "megatron/rng_state": sorted(rng_refs),
         "megatron/extra": _extra(files, iter_dir, config.vpp) or None,
     }
+    check_scalars(values, SCALARS, model_files[min(loaded)])  # issue 20: no walk over a hostile value
     meta = {"megatron": {"format": "legacy", "root": root, "config": cfg.to_json(), "optimizer": kind,
                          "buffer_dtypes": buffer_dtypes}}
     if schemes:
