@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from tenplex.errors import ConfigError
+from tenplex.limits import MAX_DEGREE, MAX_WORLD, short
 from tenplex.ptree import grid, pipeline
 
 __all__ = ["Coord", "ParallelConfig", "AXES", "COORD_AXES"]
@@ -115,8 +116,12 @@ class ParallelConfig:
             object.__setattr__(self, "etp", self.tp)
         for name in _DEGREES:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"ParallelConfig: {name} must be an integer >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DEGREE:
+                raise ConfigError(f"ParallelConfig: {name} must be an integer >= 1 and <= {MAX_DEGREE} "
+                                  f"(tenplex.limits.MAX_DEGREE), got {short(value)}")
+        if self.dp * self.tp * self.cp * self.pp > MAX_WORLD:
+            raise ConfigError(f"ParallelConfig: world size dp*tp*cp*pp = {self.dp * self.tp * self.cp * self.pp} "
+                              f"is above {MAX_WORLD} (tenplex.limits.MAX_WORLD)")
         full = grid.full_order(self.order)
         keep = {"tp", "dp", "pp"} | {a for a in ("cp", "ep") if getattr(self, a) > 1}
         object.__setattr__(self, "order", tuple(t for t in full if t in keep))

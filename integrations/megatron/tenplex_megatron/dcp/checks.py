@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import CorruptShardError, ManifestError, PathError
+from tenplex.limits import short
 
 from tenplex_megatron.dcp.records import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                           MetadataIndex, StorageInfo, StorageMeta, TensorProperties,
@@ -57,7 +58,7 @@ def item_file(root: str, relative_path: object) -> tuple[str, int]:
             outside ``root``.
         CorruptShardError: the file is missing or not a regular file.
     """
-    what = f"{root}/.metadata: relative_path {relative_path!r:.120}"
+    what = f"{root}/.metadata: relative_path {short(relative_path, 120)}"
     if type(relative_path) is not str or not relative_path:
         raise PathError(f"{what} is not a file name")
     if os.path.isabs(relative_path) or relative_path.startswith(("/", "\\")):
@@ -88,29 +89,29 @@ def _check_types(md: Metadata, what: str) -> None:
         raise ManifestError(f"{what}: planner_data is a {type(md.planner_data).__name__}, not a dict")
     for key, item in md.state_dict_metadata.items():
         if type(key) is not str:
-            raise ManifestError(f"{what}: state_dict_metadata key {key!r:.80} is not a str")
+            raise ManifestError(f"{what}: state_dict_metadata key {short(key, 80)} is not a str")
         if type(item) is BytesStorageMetadata:
             continue
         if type(item) is not TensorStorageMetadata or type(item.properties) is not TensorProperties \
                 or not _is_size(item.size) or type(item.chunks) is not list:
             raise ManifestError(f"{what}: {key}: expected TensorStorageMetadata(properties, size, chunks), "
-                                f"got {item!r:.120}")
+                                f"got {short(item, 120)}")
         for c in item.chunks:
             if type(c) is not ChunkStorageMetadata or not _is_size(c.offsets, len(item.size)) or \
                     not _is_size(c.sizes, len(item.size)):
-                raise ManifestError(f"{what}: {key}: chunk {c!r:.120} is not a chunk of a "
+                raise ManifestError(f"{what}: {key}: chunk {short(c, 120)} is not a chunk of a "
                                     f"{len(item.size)}-d tensor")
     for index, info in md.storage_data.items():
         if type(index) is not MetadataIndex or type(index.fqn) is not str or \
                 not (index.offset is None or _is_size(index.offset)):
-            raise ManifestError(f"{what}: storage_data key {index!r:.120} is not a MetadataIndex")
+            raise ManifestError(f"{what}: storage_data key {short(index, 120)} is not a MetadataIndex")
         if type(info) is not StorageInfo or type(info.offset) is not int or \
                 type(info.length) is not int or info.offset < 0 or info.length < 0:
             raise ManifestError(f"{what}: storage_data[{index.fqn}] is not (relative_path, offset, "
-                                f"length): {info!r:.120}")
+                                f"length): {short(info, 120)}")
         if info.transform_descriptors:
             raise ManifestError(f"{what}: storage_data[{index.fqn}] has transforms "
-                                f"{info.transform_descriptors!r:.80}; tenplex reads plain items only")
+                                f"{short(info.transform_descriptors, 80)}; tenplex reads plain items only")
 
 
 def _check_chunks(key: str, item: TensorStorageMetadata, what: str) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tenplex.errors import CorruptShardError, ManifestError, UnsafePickleError
+from tenplex.limits import short
 
 from tenplex_megatron.dcp.checks import MAX_OBJECT_BYTES, check_metadata, item_file
 from tenplex_megatron.dcp.records import (TORCH_NAMES, BytesStorageMetadata, ChunkStorageMetadata,
@@ -67,7 +68,7 @@ def _build_record(inst: Any, state: Any) -> None:
     extra = _EXTRA.get(cls, set())
     unknown = [k for k in state if k not in fields and k not in extra]
     if unknown:
-        raise Refused(f"field {unknown[0]!r:.60} is not one of {sorted(fields)}")
+        raise Refused(f"field {short(unknown[0], 60)} is not one of {sorted(fields)}")
     for name, f in fields.items():
         if name in state:
             value = state[name]
@@ -84,11 +85,11 @@ def _build_properties(inst: TensorProperties, state: Any) -> None:
     """``TensorProperties.__getstate__`` writes ``(dtype, layout, requires_grad, memory format, pin_memory)``."""
     if type(state) is not tuple or len(state) != 5:
         raise Refused(f"the state is not (dtype, layout, requires_grad, memory format, pin_memory): "
-                      f"{state!r:.80}")
+                      f"{short(state, 80)}")
     dtype, layout, requires_grad, encoding, pin = state
     if dtype not in TORCH_DTYPES.values() or layout is not torch.strided or \
             type(requires_grad) is not bool or encoding not in _MEMORY_FORMATS or type(pin) is not bool:
-        raise Refused(f"expected a dtype, torch.strided, a bool, a memory format and a bool, got {state!r:.80}")
+        raise Refused(f"expected a dtype, torch.strided, a bool, a memory format and a bool, got {short(state, 80)}")
     for name, value in (("dtype", dtype), ("layout", layout), ("requires_grad", requires_grad),
                         ("memory_format", _MEMORY_FORMATS[encoding]), ("pin_memory", pin)):
         object.__setattr__(inst, name, value)
@@ -98,13 +99,13 @@ def _size(args: tuple) -> torch.Size:
     if len(args) != 1 or type(args[0]) is not tuple or len(args[0]) > MAX_NDIM or \
             not all(type(n) is int and 0 <= n < 1 << 62 for n in args[0]):
         raise Refused(f"torch.Size takes one tuple of at most {MAX_NDIM} ints in [0, 2**62), "
-                      f"got {args!r:.80}")
+                      f"got {short(args, 80)}")
     return torch.Size(args[0])
 
 
 def _layout(args: tuple) -> torch.layout:
     if args != ("torch.strided",):
-        raise Refused(f"only _get_layout('torch.strided') is allowed, got {args!r:.80}")
+        raise Refused(f"only _get_layout('torch.strided') is allowed, got {short(args, 80)}")
     return torch.strided
 
 
@@ -113,7 +114,7 @@ def _enum(cls: type):
 
     def reduce(args: tuple) -> Any:
         if len(args) != 1 or type(args[0]) is not int or args[0] not in members:
-            raise Refused(f"{cls.__name__} takes one of {sorted(members)}, got {args!r:.80}")
+            raise Refused(f"{cls.__name__} takes one of {sorted(members)}, got {short(args, 80)}")
         return members[args[0]]
     return reduce
 
@@ -218,13 +219,13 @@ def read_objects(root: str, md: Metadata, prefix: str = "") -> dict:
             continue
         info = md.storage_data.get(MetadataIndex(key)) if isinstance(md.storage_data, dict) else None
         if not isinstance(info, StorageInfo):
-            raise ManifestError(f"{root}/.metadata: byte object {key!r} has no storage record")
+            raise ManifestError(f"{root}/.metadata: byte object {short(key)} has no storage record")
         path, size = item_file(root, info.relative_path)
         what = f"{path} [{key}]"
         if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or \
                 info.length < 0 or info.offset + info.length > size:
-            raise CorruptShardError(f"{what}: bytes at offset {info.offset!r:.30} length "
-                                    f"{info.length!r:.30} lie outside the file ({size} bytes)")
+            raise CorruptShardError(f"{what}: bytes at offset {short(info.offset, 30)} length "
+                                    f"{short(info.length, 30)} lie outside the file ({size} bytes)")
         if info.length > MAX_OBJECT_BYTES:
             raise CorruptShardError(f"{what}: a byte object of {info.length} bytes (at most "
                                     f"{MAX_OBJECT_BYTES})")

@@ -15,6 +15,9 @@ from math import ceil
 from typing import Any, Mapping
 
 from tenplex.errors import ConfigError
+from tenplex.limits import short
+
+from tenplex_megatron.model.limits import check_fields
 
 __all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args", "stage_layers",
            "uneven_args", "args_for", "check_vocab"]
@@ -85,6 +88,7 @@ class MegatronConfig:
     moe_grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
+        check_fields(vars(self), "MegatronConfig")
         if isinstance(self.moe_layer_freq, list):
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         if self.num_moe_experts and self.moe_ffn_hidden_size is None:
@@ -251,7 +255,9 @@ def args_to_json(args: Any) -> dict:
         elif isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float, bool)) or x is None for x in v):
             out[k] = list(v)
         else:
-            out[k] = {"__repr__": repr(v)} if not str(v).startswith("torch.") else str(v)
+            text = short(v, 4096)  # bounded: a value from a file may be a DAG with an exponential repr
+            out[k] = text if text.startswith("torch.") and not isinstance(v, (dict, list, tuple)) \
+                else {"__repr__": text}
     return out
 
 

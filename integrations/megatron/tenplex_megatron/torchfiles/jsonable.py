@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import ManifestError
+from tenplex.limits import Walk, short
 
 from tenplex_megatron.torchfiles.safe_load import TORCH_DTYPES
 
@@ -25,13 +26,27 @@ __all__ = ["to_jsonable", "from_jsonable"]
 _SCALARS = (str, int, float, bool, type(None))
 
 
-def to_jsonable(obj: Any, where: str = "value") -> Any:
+def to_jsonable(obj: Any, where: str = "value", walk: Walk | None = None) -> Any:
     """The JSON-able form of ``obj``.
 
+    At most :data:`~tenplex.limits.MAX_WALK` nodes are visited (a shared
+    reference counts each time it is reached: its JSON form is written each
+    time), so a pickle of shared references cannot make the form exponential.
+
     Raises:
-        ManifestError: for an object of another type (naming ``where`` and the type).
+        ManifestError: for an object of another type (naming ``where`` and the type), a tensor
+            that is an expanded or overlapping view, or more nodes than the limit.
     """
+    if walk is None:
+        try:
+            return to_jsonable(obj, where, Walk(where, ManifestError))
+        except RecursionError:
+            raise ManifestError(f"{where}: nested too deeply to keep as JSON") from None
+    walk.step()
     if isinstance(obj, torch.Tensor):
+        if obj.numel() > 1 and obj.untyped_storage().nbytes() < obj.numel() * obj.element_size():
+            raise ManifestError(f"{where}: a {list(obj.shape)} tensor with strides {list(obj.stride())} "
+                                "views fewer bytes than it has elements (an expanded view)")
         t = obj.detach().cpu().contiguous()
         return {"__tensor__": base64.b64encode(t.numpy().tobytes()).decode(), "dtype": str(t.dtype),
                 "shape": list(t.shape)}
@@ -43,14 +58,13 @@ def to_jsonable(obj: Any, where: str = "value") -> Any:
     if isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj)}
     if isinstance(obj, tuple):
-        return {"__tuple__": [to_jsonable(x, where) for x in obj]}
+        return {"__tuple__": [to_jsonable(x, where, walk) for x in obj]}
     if isinstance(obj, list):
-        return [to_jsonable(x, where) for x in obj]
+        return [to_jsonable(x, where, walk) for x in obj]
     if isinstance(obj, dict):
         if not all(isinstance(k, (str, int)) for k in obj):
-            raise ManifestError(f"{where}: a mapping with keys {sorted(map(repr, obj))[:4]} cannot be "
-                                "kept as JSON")
-        return {str(k): to_jsonable(v, f"{where}.{k}") for k, v in obj.items()}
+            raise ManifestError(f"{where}: a mapping with keys {short(list(obj))} cannot be kept as JSON")
+        return {str(k): to_jsonable(v, f"{where}.{short(k, 60)}", walk) for k, v in obj.items()}
     if isinstance(obj, _SCALARS):
         return obj
     raise ManifestError(f"{where}: a {type(obj).__name__} cannot be kept as JSON; tenplex keeps "
@@ -60,7 +74,7 @@ def to_jsonable(obj: Any, where: str = "value") -> Any:
 def _dtype(name: str) -> torch.dtype:
     dtype = TORCH_DTYPES.get(str(name).removeprefix("torch."))
     if dtype is None:
-        raise ManifestError(f"unknown torch dtype {name!r} in a stored value")
+        raise ManifestError(f"unknown torch dtype {short(name)} in a stored value")
     return dtype
 
 

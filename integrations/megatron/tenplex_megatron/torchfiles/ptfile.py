@@ -3,10 +3,13 @@
 A ``torch.save`` file is an uncompressed zip: a pickle (``data.pkl``) that
 describes the objects, and one record per tensor storage. Loading it with
 ``map_location="meta"`` and ``weights_only=True`` unpickles only the
-description: every tensor comes back on the meta device with its storage's
-byte offset in the file (``UntypedStorage._checkpoint_offset``, set by
-``torch.serialization`` for meta loads), and no tensor byte is read.
-:func:`load_refs` turns each such tensor into a :class:`TensorRef`;
+description: every tensor comes back on the meta device, and no tensor byte
+is read. Where each tensor lies is taken from tenplex's own validation of the
+same pickle (the record's offset from the zip's local header, checked against
+torch's reader: :mod:`~tenplex_megatron.torchfiles.ziprecords`), never from
+``UntypedStorage._checkpoint_offset``, which torch *computes* for files of
+``.format_version >= 1`` as if its own writer had laid them out (wrong for a
+re-zipped file). :func:`load_refs` turns each tensor into a :class:`TensorRef`;
 :meth:`TensorRef.read` then reads exactly the byte runs a caller needs.
 
 The same works for a ``torch.save`` blob inside a larger file (a DCP
@@ -18,6 +21,7 @@ storage record and inside the file (or window); a short read is an error.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -26,8 +30,9 @@ import numpy as np
 import torch
 
 from tenplex.errors import ManifestError
+from tenplex.limits import Walk, short
 
-from tenplex_megatron.torchfiles.safe_load import FileView, load_meta, open_regular, tensor_header
+from tenplex_megatron.torchfiles.safe_load import FileView, load_meta, open_regular, tensor_header, tensor_place
 
 __all__ = ["TensorRef", "Window", "load_refs", "locate_tensor", "tensor_ref", "read_runs", "GAP"]
 
@@ -176,8 +181,8 @@ def load_refs(path: str, start: int = 0, length: int | None = None, what: str | 
     except FileNotFoundError:
         raise ManifestError(f"{path}: the file is missing") from None
     with window:
-        obj = load_meta(window, what)
-    return _to_refs(obj, path, start, start + window.length, what), window.bytes_read
+        obj, shadow = load_meta(window, what)
+    return _to_refs(obj, shadow, path, start, start + window.length, what), window.bytes_read
 
 
 def locate_tensor(path: str, start: int, length: int, what: str) -> tuple[TensorRef, int]:
@@ -222,34 +227,56 @@ def tensor_ref(path: str, start: int, length: int, header: tuple, what: str) -> 
     return TensorRef(path, start + first, tuple(shape), dtype)
 
 
-def _to_refs(obj: Any, path: str, start: int, end: int, what: str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return _ref(obj, path, start, end, what)
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) is not dict else {}
-        for k, v in obj.items():
-            out[k] = _to_refs(v, path, start, end, what)
+def _to_refs(obj: Any, shadow: Any, path: str, start: int, end: int, what: str) -> Any:
+    """``obj`` (torch's meta load) with each tensor replaced by a :class:`TensorRef` placed by the
+    same tensor in ``shadow`` (the restricted unpickler's build of the same pickle).
+
+    Shared references stay shared (each object is converted once), and the walk visits at most
+    :data:`~tenplex.limits.MAX_WALK` nodes.
+    """
+    done: dict[int, Any] = {}
+    walk = Walk(what, ManifestError)
+
+    def convert(o: Any, sh: Any) -> Any:
+        walk.step()
+        key = id(o)
+        if key in done:
+            return done[key]
+        if isinstance(o, torch.Tensor):
+            out = _ref(o, tensor_place(sh), path, start, end, what)
+        elif isinstance(o, dict) and isinstance(sh, dict) and len(o) == len(sh):
+            out = type(o)() if type(o) is not dict else {}
+            for k, v in o.items():
+                if k not in sh:
+                    raise _differs(what, k)
+                out[k] = convert(v, sh[k])
+        elif isinstance(o, (list, tuple)) and type(sh) is type(o) and len(o) == len(sh):
+            out = type(o)(convert(v, w) for v, w in zip(o, sh)) if isinstance(o, tuple) else \
+                [convert(v, w) for v, w in zip(o, sh)]
+        elif isinstance(o, argparse.Namespace) and isinstance(sh, argparse.Namespace):
+            out = argparse.Namespace(**{k: convert(v, getattr(sh, k, None)) for k, v in vars(o).items()})
+        elif isinstance(o, (dict, list, tuple, argparse.Namespace)):
+            raise _differs(what, type(o).__name__)
+        else:
+            out = o
+        done[key] = out
         return out
-    if isinstance(obj, list):
-        return [_to_refs(v, path, start, end, what) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_refs(v, path, start, end, what) for v in obj)
-    return obj
+
+    try:
+        return convert(obj, shadow)
+    except RecursionError:
+        raise ManifestError(f"{what}: objects nested too deeply") from None
 
 
-def _ref(t: torch.Tensor, path: str, start: int, end: int, what: str) -> TensorRef:
-    storage = t.untyped_storage()
-    offset = getattr(storage, "_checkpoint_offset", None)
-    if not isinstance(offset, int):
-        raise ManifestError(f"{what}: torch did not report where a tensor's storage lies; "
-                            f"tenplex needs torch >= 2.5 to read files by byte ranges")
-    nbytes = t.numel() * t.element_size()
-    first = t.storage_offset() * t.element_size()
-    if t.numel() and (not t.is_contiguous() or first + nbytes > storage.nbytes()):
-        raise ManifestError(f"{what}: a {list(t.shape)} {t.dtype} tensor is not contiguous inside its "
-                            "storage record; tenplex reads row-major tensors only")
-    lo = start + offset + first
-    if offset < 0 or lo + nbytes > end:
-        raise ManifestError(f"{what}: a {list(t.shape)} {t.dtype} tensor at byte {lo} runs past the end "
-                            f"of its data ({end}); the file is truncated or lies")
-    return TensorRef(path, lo, tuple(t.shape), t.dtype)
+def _differs(what: str, where: Any) -> ManifestError:
+    return ManifestError(f"{what}: torch.load and tenplex's validation read different structures "
+                         f"(at {short(where, 60)}); the pickle is inconsistent")
+
+
+def _ref(t: torch.Tensor, place: tuple | None, path: str, start: int, end: int, what: str) -> TensorRef:
+    """The ref of meta tensor ``t``, at the place the validated pickle gives (``tensor_place``)."""
+    if place is None or place[0] != t.dtype or tuple(place[1]) != tuple(t.shape):
+        raise ManifestError(f"{what}: a {list(t.shape)} {t.dtype} tensor has no matching validated "
+                            "tensor; the pickle is inconsistent")
+    dtype, shape, stride, first = place
+    return tensor_ref(path, start, end - start, (dtype, shape, stride, first), what)

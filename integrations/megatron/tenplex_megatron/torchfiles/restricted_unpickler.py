@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tenplex.errors import UnsafePickleError
+from tenplex.limits import MAX_PICKLE_OBJECTS, SAFE_REPR, short
 
 __all__ = ["Refused", "Rule", "Profile", "unpickle", "MAX_PICKLE_BYTES"]
 
@@ -69,6 +70,9 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"{self.module}.{self.name}"
+
+
+SAFE_REPR.add(Rule)
 
 
 @dataclass
@@ -107,6 +111,10 @@ _OPS = {
     b"Q": "BINPERSID",
 }
 
+_NO_NEW_OBJECT = frozenset({"PROTO", "FRAME", "BINGET", "LONG_BINGET", "APPEND", "SETITEM", "BUILD"})
+"""Opcodes that allocate nothing that lasts; every other one counts toward MAX_PICKLE_OBJECTS
+(a memo entry or a MARK costs memory too)."""
+
 
 def unpickle(data: bytes, profile: Profile, what: str) -> Any:
     """Interpret the pickle ``data`` under ``profile``.
@@ -140,6 +148,7 @@ class _Machine:
         self.memo: dict[int, Any] = {}
         self.built: dict[int, Any] = {}     # id -> object: BUILD happened (kept alive: ids stay unique)
         self.unbuilt: dict[int, Any] = {}   # id -> object: must still receive BUILD
+        self.objects = 0                    # objects built so far (at most MAX_PICKLE_OBJECTS)
 
     # ---------------------------------------------------------------- errors and reads
     def fail(self, reason: str) -> UnsafePickleError:
@@ -185,6 +194,11 @@ class _Machine:
                 raise self.fail(f"opcode {name or hex(code)} is not accepted in a {self.profile.kind}")
             if name == "STOP":
                 return self.stop()
+            if name not in _NO_NEW_OBJECT:
+                self.objects += 1
+                if self.objects > MAX_PICKLE_OBJECTS:
+                    raise self.fail(f"more than {MAX_PICKLE_OBJECTS} objects (the limit "
+                                    "TENPLEX_MAX_PICKLE_OBJECTS)")
             getattr(self, "op_" + name)(name)
 
     def stop(self) -> Any:
@@ -357,7 +371,7 @@ class _Machine:
     def call(self, op: str, rule: Any, args: Any, kind: str) -> None:
         handler = getattr(rule, kind, None) if isinstance(rule, Rule) else None
         if handler is None:
-            raise self.fail(f"{op} on {rule!r:.60} is not allowed")
+            raise self.fail(f"{op} on {short(rule, 60)} is not allowed")
         if type(args) is not tuple:
             raise self.fail(f"{op} on {rule} with arguments of type {type(args).__name__}")
         try:
@@ -400,4 +414,4 @@ class _Machine:
         try:
             self.stack.append(self.profile.persistent_load(pid))
         except Refused as exc:
-            raise self.fail(f"persistent id {pid!r:.80}: {exc}") from None
+            raise self.fail(f"persistent id {short(pid, 80)}: {exc}") from None

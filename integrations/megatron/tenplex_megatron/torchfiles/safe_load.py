@@ -35,12 +35,13 @@ import numpy as np
 import torch
 
 from tenplex.errors import CorruptShardError, UnsafePickleError
+from tenplex.limits import SAFE_REPR, short
 from tenplex.ptree.tree import DTYPES
 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.torchfiles.ziprecords import check_stored
 
-__all__ = ["safe_load", "load_tensor", "tensor_header", "FileView", "ALLOWED_GLOBALS",
+__all__ = ["safe_load", "load_tensor", "tensor_header", "tensor_place", "load_meta", "FileView", "ALLOWED_GLOBALS",
            "TORCH_SAFE_GLOBALS", "MAX_NDIM", "TORCH_DTYPES", "regular_file_size", "open_regular"]
 
 MAX_NDIM = 32
@@ -95,14 +96,15 @@ class _ValueOnly:
         return self.name
 
 
+SAFE_REPR.update({_ValueOnly, torch.dtype, torch.layout, torch.memory_format})
 _NDARRAY = _ValueOnly("numpy.ndarray")  # what GLOBAL numpy.ndarray pushes: only _reconstruct takes it
 
 
 def _ints(value: Any, what: str, low: int = 0) -> tuple:
     if type(value) not in (tuple, list) or len(value) > MAX_NDIM:
-        raise Refused(f"{what} must be a tuple of at most {MAX_NDIM} ints, got {value!r:.80}")
+        raise Refused(f"{what} must be a tuple of at most {MAX_NDIM} ints, got {short(value, 80)}")
     if not all(type(v) is int and low <= v < 1 << 62 for v in value):
-        raise Refused(f"{what} must hold ints in [{low}, 2**62), got {value!r:.80}")
+        raise Refused(f"{what} must hold ints in [{low}, 2**62), got {short(value, 80)}")
     return tuple(value)
 
 
@@ -115,7 +117,7 @@ def _rebuild_tensor(args: tuple) -> _Tensor:
         raise Refused(f"the storage is a {type(storage).__name__}, not a storage record")
     size, stride = _ints(size, "size"), _ints(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
-        raise Refused(f"size {size}, stride {stride}, offset {offset!r:.40} do not fit together")
+        raise Refused(f"size {size}, stride {stride}, offset {short(offset, 40)} do not fit together")
     if type(requires_grad) is not bool or type(hooks) is not OrderedDict or hooks:
         raise Refused("requires_grad must be a bool and backward hooks an empty OrderedDict")
     if len(args) == 7 and args[6] not in (None, {}):
@@ -124,7 +126,21 @@ def _rebuild_tensor(args: tuple) -> _Tensor:
     if end > storage.numel:
         raise Refused(f"a tensor of size {size}, stride {stride}, offset {offset} reaches element "
                       f"{end} of a storage of {storage.numel} elements")
+    if not _distinct(size, stride):
+        raise Refused(f"a tensor of size {size}, stride {stride} is an expanded or overlapping view "
+                      "(elements share storage); tenplex reads tensors whose elements are distinct")
     return _Tensor(storage.dtype, size, storage, offset, stride)
+
+
+def _distinct(size: tuple, stride: tuple) -> bool:
+    """Whether a view's elements lie at distinct storage positions: sorted by stride, each axis
+    steps past everything the axes before it span (a stride-0 axis of length > 1 never does)."""
+    extent = 1
+    for n, s in sorted(((n, s) for n, s in zip(size, stride) if n > 1), key=lambda p: p[1]):
+        if s < extent:
+            return False
+        extent = s * (n - 1) + extent
+    return True
 
 
 def _ordered_dict(args: tuple) -> OrderedDict:
@@ -137,7 +153,7 @@ def _build_ordered_dict(inst: OrderedDict, state: Any) -> None:
     """``torch.nn.Module.state_dict`` keeps ``_metadata`` (versions per module) as an attribute."""
     if type(state) is not dict or set(state) - {"_metadata"} or \
             type(state.get("_metadata", {})) not in (dict, OrderedDict):
-        raise Refused(f"only a _metadata dict may be set, got {state!r:.80}")
+        raise Refused(f"only a _metadata dict may be set, got {short(state, 80)}")
 
 
 def _namespace(args: tuple) -> argparse.Namespace:
@@ -151,13 +167,15 @@ def _build_namespace(inst: argparse.Namespace, state: Any) -> None:
         raise Refused(f"the state is a {type(state).__name__}, not a dict of fields")
     bad = [k for k in state if type(k) is not str or not k.isidentifier() or k.startswith("__")]
     if bad:
-        raise Refused(f"field name {bad[0]!r:.60} (expected identifiers, no dunder names)")
+        raise Refused(f"field name {short(bad[0], 60)} (expected identifiers, no dunder names)")
+    for k, v in state.items():  # plain identifiers; read back by ptfile to pair tensors with records
+        setattr(inst, k, v)
 
 
 def _encode(args: tuple) -> bytes:
     """Protocol 2 writes ``bytes`` as ``_codecs.encode(text, "latin1")``."""
     if len(args) != 2 or type(args[0]) is not str or args[1] != "latin1":
-        raise Refused(f"only encode(str, 'latin1') is allowed, got {args!r:.80}")
+        raise Refused(f"only encode(str, 'latin1') is allowed, got {short(args, 80)}")
     try:
         return args[0].encode("latin1")
     except UnicodeEncodeError:
@@ -166,7 +184,7 @@ def _encode(args: tuple) -> bytes:
 
 def _np_dtype(args: tuple) -> _NpDtype:
     if args not in tuple((code, False, True) for code in _NP_CODES):
-        raise Refused(f"only numpy.dtype(code, False, True) with a code in {_NP_CODES}, got {args!r:.80}")
+        raise Refused(f"only numpy.dtype(code, False, True) with a code in {_NP_CODES}, got {short(args, 80)}")
     return _NpDtype(args[0])
 
 
@@ -175,18 +193,18 @@ def _build_np_dtype(inst: _NpDtype, state: Any) -> None:
     if type(state) is not tuple or len(state) != 8 or state[0] != 3 or state[1] not in order or \
             state[2:] != (None, None, None, -1, -1, 0):
         raise Refused(f"a plain {inst.code} dtype state is (3, byteorder, None, None, None, -1, -1, 0), "
-                      f"got {state!r:.80}")
+                      f"got {short(state, 80)}")
 
 
 def _reconstruct(args: tuple) -> _NpArray:
     if len(args) != 3 or args[0] is not _NDARRAY or args[1] != (0,) or args[2] != b"b":
-        raise Refused(f"only _reconstruct(numpy.ndarray, (0,), b'b') is allowed, got {args!r:.80}")
+        raise Refused(f"only _reconstruct(numpy.ndarray, (0,), b'b') is allowed, got {short(args, 80)}")
     return _NpArray()
 
 
 def _build_np_array(inst: _NpArray, state: Any) -> None:
     if type(state) is not tuple or len(state) != 5 or state[0] != 1:
-        raise Refused(f"an array state is (1, shape, dtype, fortran, bytes), got {state!r:.80}")
+        raise Refused(f"an array state is (1, shape, dtype, fortran, bytes), got {short(state, 80)}")
     _, shape, dtype, fortran, raw = state
     shape = _ints(shape, "shape")
     if not isinstance(dtype, _NpDtype) or type(fortran) is not bool or type(raw) is not bytes:
@@ -378,6 +396,9 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
         record_size(name)
     if record_size("data.pkl") > MAX_PICKLE_BYTES:
         raise UnsafePickleError(f"{what}: data.pkl is larger than {MAX_PICKLE_BYTES} bytes")
+    if archive.has_record("byteorder") and archive.get_record("byteorder") != b"little":
+        raise CorruptShardError(f"{what}: record byteorder is {short(archive.get_record('byteorder'), 20)}; "
+                                "tenplex reads little-endian tensor records in place")
     storages: dict[str, _Storage] = {}
 
     def persistent_load(pid: Any) -> _Storage:
@@ -406,7 +427,7 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
                       must_build=(_NpDtype, _NpArray), opcodes=_OPCODES,
                       persistent_load=persistent_load, dict_types=(dict, OrderedDict))
     result = unpickle(archive.get_record("data.pkl"), profile, what)
-    check_stored(f, start, [storage.record for storage in storages.values()], what)
+    check_stored(f, start, {s.record: (s.offset, s.numel * s.dtype.itemsize) for s in storages.values()}, what)
     f.seek(start)
     return result
 
@@ -456,15 +477,30 @@ def safe_load(path, what: str | None = None, *, mmap: bool = False) -> Any:
     return _torch_load(path, what, False)
 
 
-def load_meta(f, what: str) -> Any:
+def load_meta(f, what: str) -> tuple[Any, Any]:
     """:func:`safe_load` of the seekable file ``f`` with every tensor on the ``meta`` device
-    (no tensor byte is read; ``torch.serialization`` sets each storage's file offset).
+    (no tensor byte is read), beside what the restricted unpickler built from the same pickle.
+
+    Returns:
+        ``(obj, shadow)``: ``obj`` as ``torch.load(map_location="meta")`` returns it; ``shadow``
+        the same structure where each tensor is a checked view whose storage carries the real
+        offset of its record (from the zip's own headers, see
+        :mod:`~tenplex_megatron.torchfiles.ziprecords`). torch's computed ``_checkpoint_offset``
+        assumes torch's own writer's layout and is wrong for a re-zipped file: use the shadow.
 
     Raises:
         UnsafePickleError, CorruptShardError: as :func:`safe_load`.
     """
-    _validate(f, _stream_size(f), what, ALLOWED_GLOBALS)
-    return _torch_load(f, what, False, "meta")
+    shadow = _validate(f, _stream_size(f), what, ALLOWED_GLOBALS)
+    return _torch_load(f, what, False, "meta"), shadow
+
+
+def tensor_place(t: Any) -> tuple[torch.dtype, tuple, tuple, int] | None:
+    """``(dtype, shape, stride, first byte in the file)`` of a tensor in :func:`load_meta`'s
+    shadow, or None if ``t`` is not one."""
+    if not isinstance(t, _Tensor):
+        return None
+    return t.dtype, t.shape, t.stride, t.storage.offset + t.offset * t.dtype.itemsize
 
 
 def tensor_header(f, what: str, *, locate: bool = False) -> tuple:

@@ -37,6 +37,7 @@ from tenplex_megatron.formats.description import Description
 from tenplex_megatron.model.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import megatron_tree
+from tenplex_megatron.model.limits import SCALARS, check_args, check_scalars
 from tenplex_megatron.model.parallel import parallel_config
 from tenplex_megatron.torchfiles.safe_load import safe_load
 
@@ -284,6 +285,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         raise ManifestError(f"{root}: no metadata.json with sharded_backend 'torch_dist'")
     common = read_common(root)
     args = common.get("args")
+    check_args(args, os.path.join(root, "common.pt"))  # issue 20: bound every count before it sizes a loop
     if model_config is None and args is None:
         raise ConfigError(f"{root}: common.pt has no args; pass the model config "
                           "(--model-config FILE.json, see docs/megatron.md)")
@@ -326,6 +328,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         "megatron/rng_state": sorted(rng_coords(md)),
         "megatron/extra": extra or None,
     }
+    check_scalars(values, SCALARS, os.path.join(root, "common.pt"))  # issue 20: no walk over a hostile value
     meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim,
                          "buffer_dtypes": list(dtypes) if dtypes else None,
                          "content_metadata": to_jsonable(common.get("content_metadata") or {})}}

@@ -39,6 +39,7 @@ from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
                                       rank_keys)  # rank_keys: re-exported
 from tenplex_megatron.formats.legacy.grid import legacy_grid, legacy_writers, rank_dir_name, rank_dirs
+from tenplex_megatron.model.limits import SCALARS, check_args, check_scalars
 from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs
 from tenplex_megatron.torchfiles.safe_load import open_regular
 from tenplex_megatron.formats.source import MegatronSource
@@ -340,6 +341,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     nbytes = sum(n for _, n in loaded.values()) + sum(n for _, n in opt_loaded.values())
     first = loaded[min(loaded)][0]
     args = first.get("args")
+    check_args(args, model_files[min(loaded)])  # issue 20: bound every count before it sizes a loop
     config, mapped = legacy_grid(args, dirs, iter_dir)
     by_dir = {v: k for k, v in mapped.items()}
     files = {by_dir[dirs[k]]: v for k, (v, _) in loaded.items()}
@@ -400,6 +402,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         "megatron/rng_state": sorted(rng_refs),
         "megatron/extra": _extra(files, iter_dir, config.vpp) or None,
     }
+    check_scalars(values, SCALARS, model_files[min(loaded)])  # issue 20: no walk over a hostile value
     meta = {"megatron": {"format": "legacy", "root": root, "config": cfg.to_json(), "optimizer": kind,
                          "buffer_dtypes": buffer_dtypes}}
     if schemes:

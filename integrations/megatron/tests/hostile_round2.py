@@ -1,0 +1,79 @@
+"""Files for issue 20's corpus: valid files that torch reads exactly, and tiny files with huge numbers.
+
+Each maker takes a copy of a real megatron-core checkpoint directory (see
+:mod:`hostile_corpus`) and rewrites one file. The valid ones (:func:`rezip`,
+:func:`case_twin_item`) are read by ``torch.load`` to the same values as the
+original; tenplex must read those values too, or refuse.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import zipfile
+
+import torch
+
+from hostile_pickles import first_tensor_item, item_bytes, load_own_metadata, dump_metadata, repoint
+
+
+def rezip(path: pathlib.Path) -> None:
+    """Rewrite the torch archive at ``path`` with Python's :mod:`zipfile` (stored records, no
+    64-byte alignment): a valid archive that ``torch.load`` reads exactly."""
+    with zipfile.ZipFile(path) as zin:
+        entries = [(info.filename, zin.read(info)) for info in zin.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
+        for name, data in entries:
+            zout.writestr(name, data)
+
+
+def case_twin(blob: bytes) -> bytes:
+    """The torch archive ``blob`` with its record ``data/0`` replaced by a stored decoy of zeros,
+    followed by the real bytes, deflated, under ``DATA/0``: torch's reader, which matches names
+    without regard to case, reads the twin."""
+    zin = zipfile.ZipFile(io.BytesIO(blob))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in zin.infolist():
+            data = zin.read(info)
+            top, _, rest = info.filename.partition("/")
+            if rest == "data/0":
+                z.writestr(zipfile.ZipInfo(f"{top}/data/0"), bytes(len(data)), compress_type=zipfile.ZIP_STORED)
+                z.writestr(zipfile.ZipInfo(f"{top}/DATA/0"), data, compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                z.writestr(info, data)
+    return out.getvalue()
+
+
+def case_twin_item(d: pathlib.Path) -> torch.Tensor:
+    """Point the first tensor item of the DCP directory ``d`` at ``evil.distcp``, a
+    :func:`case_twin` of its blob; returns what ``torch.load`` reads from it (the true values)."""
+    md = load_own_metadata(d)
+    index = first_tensor_item(md)[3]
+    blob = case_twin(item_bytes(d, md.storage_data[index]))
+    repoint(d, md, index, blob)
+    dump_metadata(d, md)
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def args_edit(path: pathlib.Path, **change) -> None:
+    """Set fields of ``args`` in the legacy ``.pt`` at ``path`` (re-saved by ``torch.save``)."""
+    import argparse
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        obj = torch.load(path, weights_only=False)
+    for k, v in change.items():
+        setattr(obj["args"], k, v)
+    torch.save(obj, path)
+
+
+def shared_refs_pickle(depth: int) -> bytes:
+    """A protocol-2 pickle of a list nested ``depth`` deep where each level holds the level below
+    twice: a few bytes per level, a repr (or a JSON form) of 2**depth leaves."""
+    out = [b"\x80\x02", b"]", b"q\x00"]
+    for i in range(1, depth):
+        out += [b"h", bytes([(i - 1) % 256]), b"h", bytes([(i - 1) % 256]), b"\x86", b"q", bytes([i % 256])]
+    return b"".join(out) + b"."
+
+
+__all__ = ["rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]
