@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.formats.dist.keys import is_dist
@@ -35,6 +36,23 @@ def _model_config(options: dict) -> dict | None:
         return json.load(f)
 
 
+def _iteration(options: dict) -> int | str | None:
+    """The ``--iteration`` option: which iteration folder of a ``--save`` root to read (default: the
+    tracker's, as Megatron-LM's ``--load``); an int or ``"release"``.
+
+    Raises:
+        ConfigError: for anything else.
+    """
+    it = options.get("iteration")
+    if it is None or it == "release":
+        return it
+    if isinstance(it, str) and it.isdigit():
+        it = int(it)
+    if not isinstance(it, int) or isinstance(it, bool) or it < 0:
+        raise ConfigError(f"--iteration {it!r}: expected a non-negative iteration number or 'release'")
+    return it
+
+
 class _Legacy:
     """Megatron-LM's per-rank ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` checkpoints."""
 
@@ -48,13 +66,13 @@ class _Legacy:
     def describe(path: str, **options) -> Description:
         from tenplex_megatron.formats.legacy.read import describe_legacy
 
-        return describe_legacy(path, _model_config(options)).desc
+        return describe_legacy(path, _model_config(options), iteration=_iteration(options)).desc
 
     @staticmethod
     def open_source(path: str, **options):
         from tenplex_megatron.formats.legacy.read import open_legacy
 
-        return open_legacy(path, _model_config(options), options.get("threads", 8))
+        return open_legacy(path, _model_config(options), options.get("threads", 8), _iteration(options))
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
@@ -67,7 +85,8 @@ class _Legacy:
         from tenplex_megatron.formats.legacy.verify import verify_legacy
 
         return verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
-                             threads=options.get("threads", 8), progress=options.get("progress"))
+                             threads=options.get("threads", 8), progress=options.get("progress"),
+                             iteration=_iteration(options))
 
 
 class _Dist:
@@ -83,13 +102,13 @@ class _Dist:
     def describe(path: str, **options) -> Description:
         from tenplex_megatron.formats.dist.read import describe_dist
 
-        return describe_dist(path, _model_config(options)).desc
+        return describe_dist(path, _model_config(options), _iteration(options)).desc
 
     @staticmethod
     def open_source(path: str, **options):
         from tenplex_megatron.formats.dist.source import open_dist
 
-        return open_dist(path, _model_config(options))
+        return open_dist(path, _model_config(options), _iteration(options))
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
@@ -102,14 +121,15 @@ class _Dist:
         """Direct dist-to-dist reshard (DCP items copied, vocab rows and args adjusted), or None."""
         from tenplex_megatron.formats.dist.direct import reshard_dist
 
-        return reshard_dist(src, dst, to, _model_config(options))
+        return reshard_dist(src, dst, to, _model_config(options), _iteration(options))
 
     @staticmethod
     def verify(path: str, **options) -> dict:
         from tenplex_megatron.formats.dist.verify import verify_dist
 
         return verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
-                           threads=options.get("threads", 8), progress=options.get("progress"))
+                           threads=options.get("threads", 8), progress=options.get("progress"),
+                           iteration=_iteration(options))
 
 
 LEGACY = _Legacy()

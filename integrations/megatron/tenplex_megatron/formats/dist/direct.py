@@ -39,8 +39,12 @@ __all__ = ["reshard_dist"]
 _COPY = 64 << 20
 
 
-def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | None = None) -> dict | None:
+def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | None = None,
+                 iteration: int | str | None = None) -> dict | None:
     """Reshard a ``torch_dist`` directory to ``to`` directly, or return None if it needs the planner.
+
+    ``src`` is read as :func:`tenplex_megatron.formats.folders.locate` finds it; ``dst`` is
+    written as a ``--save`` root (the iteration folder, then the tracker).
 
     Returns:
         ``{"src", "bytes_read", "bytes_written", "files", "padding", "notes", "direct": True}``.
@@ -50,7 +54,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
         AlreadyExistsError: ``dst`` exists.
         ManifestError: a bad source (see :func:`tenplex_megatron.formats.dist.source.open_dist`).
     """
-    source = open_dist(src, model_config)
+    source = open_dist(src, model_config, iteration)
     if source.optim == "dp_reshardable":
         return None
     cfg = source.desc.cfg
@@ -58,7 +62,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
     vocab = _vocab_keys(cfg)
     old, new = cfg.padded_vocab(source.config.tp), cfg.padded_vocab(to.tp)
     values = _target_values(source, to)
-    tmp = temp_dir(dst)
+    tmp = temp_dir(dst, values.iteration)
     try:
         writer = DcpWriter(tmp)
         by_file: dict[str, list] = {}
@@ -77,7 +81,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
                 for t in range(to.tp):
                     writer.object(rng_key(t, p, to.tp, to.pp), [states[f"tp={t},pp={p}"]])
         writer.finish()
-        commit_dir(tmp, dst, _common(source, values))
+        commit_dir(tmp, dst, _common(source, values), values.iteration)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -24,6 +24,7 @@ from functools import lru_cache
 from tenplex.errors import TenplexError
 from tenplex.ptree.sharding import Sharding
 
+from tenplex_megatron.formats.folders import locate
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
 from tenplex_megatron.torchfiles.safe_load import open_regular
@@ -41,9 +42,12 @@ RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
 
 
-def is_dist(root: str) -> bool:
-    """Whether ``root`` is a ``torch_dist`` directory (its ``metadata.json`` says so)."""
+def is_dist(path: str) -> bool:
+    """Whether ``path`` (a ``--save`` root, an iteration folder or a bare folder) holds a ``torch_dist``
+    checkpoint: its folder's ``metadata.json`` says ``sharded_backend: torch_dist``
+    (:func:`tenplex_megatron.formats.folders.locate`)."""
     try:
+        root = locate(path).dir
         f, _ = open_regular(os.path.join(root, "metadata.json"), "metadata.json")
         with f:
             return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"

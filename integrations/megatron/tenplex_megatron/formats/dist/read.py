@@ -34,6 +34,7 @@ from tenplex_megatron.formats.dist.keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY
 from tenplex_megatron.dcp.records import BytesStorageMetadata, TensorStorageMetadata
 from tenplex_megatron.dcp.safe import read_checked, read_objects
 from tenplex_megatron.formats.description import Description
+from tenplex_megatron.formats.folders import locate
 from tenplex_megatron.model.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import megatron_tree
@@ -271,8 +272,15 @@ class FoundDist(NamedTuple):
     refs: dict
 
 
-def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
+def describe_dist(path: str, model_config: dict | None = None, iteration: int | str | None = None
+                  ) -> FoundDist:
     """Describe a ``torch_dist`` directory from ``.metadata`` and ``common.pt`` (no tensor is read).
+
+    Args:
+        path: a ``--save`` root, an iteration folder, or a bare ``dist_checkpointing`` folder
+            (:func:`tenplex_megatron.formats.folders.locate`).
+        model_config: model config fields, whole or overriding the args.
+        iteration: the iteration to read under a root (default: the tracker's).
 
     Raises:
         ManifestError: not a ``torch_dist`` directory, an unsafe pickle, an
@@ -280,6 +288,8 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         ConfigError: no model config can be found, or the stored vocabulary
             rows do not fit it.
     """
+    found = locate(path, iteration)
+    root = found.dir
     if not is_dist(root):
         raise ManifestError(f"{root}: no metadata.json with sharded_backend 'torch_dist'")
     common = read_common(root)
@@ -314,7 +324,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         groups, expert_groups = _dp_groups(cfg, config, root, md)
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
     values = {
-        "megatron/iteration": common.get("iteration", 0),
+        "megatron/iteration": common.get("iteration", found.iteration if found.iteration is not None else 0),
         "megatron/checkpoint_version": common.get("checkpoint_version"),
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),

@@ -253,7 +253,7 @@ def _read_box(ref: TensorRef, box: Box, sizes: tuple[int, ...]) -> tuple[torch.T
     return torch.as_strided(flat, box.sizes, strides), n
 
 
-def open_dist(root: str, model_config: dict | None = None) -> DistSource:
+def open_dist(root: str, model_config: dict | None = None, iteration: int | str | None = None) -> DistSource:
     """A :class:`DistSource` over ``root``, its objects and tied copies checked.
 
     Raises:
@@ -261,7 +261,7 @@ def open_dist(root: str, model_config: dict | None = None) -> DistSource:
             non-empty extra state, a bucket layout tenplex does not write, or
             tied copies that differ.
     """
-    source = DistSource(describe_dist(root, model_config))
+    source = DistSource(describe_dist(root, model_config, iteration))
     source.check_objects()
     check_tied(source)
     return source

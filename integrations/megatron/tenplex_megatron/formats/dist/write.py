@@ -30,6 +30,7 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import piece_view
 
 from tenplex_megatron.formats.common import TargetValues
+from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
 from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rng_key
@@ -44,27 +45,38 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
 
 
-def temp_dir(path: str) -> str:
-    """A fresh temporary directory beside ``path``.
+def temp_dir(root: str, iteration) -> str:
+    """A fresh temporary folder inside the ``--save`` root ``root`` for iteration ``iteration``'s folder.
 
     Raises:
-        AlreadyExistsError: ``path`` exists.
+        AlreadyExistsError: the iteration folder exists, or ``root`` is a checkpoint folder itself.
     """
-    if os.path.exists(path):
-        raise AlreadyExistsError(f"{path} exists; tenplex never overwrites a checkpoint in place")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+    final = os.path.join(root, iteration_dir_name(iteration))
+    if os.path.lexists(final):
+        raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
+    if os.path.lexists(root) and (not os.path.isdir(root) or os.path.lexists(os.path.join(root, "metadata.json"))):
+        raise AlreadyExistsError(f"{root} exists and is not a Megatron-LM --save folder; tenplex never "
+                                 "overwrites a checkpoint in place")
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".{iteration_dir_name(iteration)}.tmp-{uuid.uuid4().hex}")
     os.makedirs(tmp)
     return tmp
 
 
-def commit_dir(tmp: str, path: str, common: dict) -> None:
-    """Write ``common.pt`` and ``metadata.json`` into ``tmp``, then rename it to ``path``."""
+def commit_dir(tmp: str, root: str, common: dict, iteration) -> str:
+    """Write ``common.pt`` and ``metadata.json`` into ``tmp``, rename it to ``root``'s iteration
+    folder, then write the tracker (Megatron-LM's ``--save`` layout); returns the iteration folder.
+
+    ``common.pt`` with ``common_backend: torch`` is what megatron-core 0.16 to 0.19 all load
+    (0.19 writes its common state into a ``.distcp`` item instead, and still reads ``common.pt``).
+    """
     torch.save(common, os.path.join(tmp, "common.pt"))
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
         json.dump(METADATA_JSON, f)
-    os.rename(tmp, path)
+    final = os.path.join(root, iteration_dir_name(iteration))
+    os.rename(tmp, final)
+    write_tracker(root, iteration)
+    return final
 
 
 def common_state(values: TargetValues, optim: str | None, content: dict | None = None) -> dict:
@@ -111,11 +123,15 @@ def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
 
 
 def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
-    """Write ``source`` laid out for ``to`` as a ``torch_dist`` directory at ``path``, atomically.
+    """Write ``source`` laid out for ``to`` as a ``torch_dist`` checkpoint under the ``--save`` root ``path``.
+
+    The iteration folder ``path/iter_NNNNNNN`` is written under a temporary name and renamed
+    into place; the tracker ``latest_checkpointed_iteration.txt`` is written last, so
+    Megatron-LM's ``--load path`` resumes at the source's iteration.
 
     Args:
         source: a shard source of a Megatron model.
-        path: the directory to create; it must not exist.
+        path: the ``--save`` root; its iteration folder must not exist.
         to: the target config (its dp sizes nothing on disk: tensors are global).
         threads: leaves built at once.
         progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
@@ -124,7 +140,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         ``{"bytes_written", "files", "padding", "notes"}``.
 
     Raises:
-        AlreadyExistsError: ``path`` exists.
+        AlreadyExistsError: the iteration folder exists, or ``path`` is a checkpoint folder.
         ConfigError: ``to`` cannot hold the model.
         ManifestError: the source is not a Megatron model, or a bad source.
     """
@@ -141,7 +157,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
             values.notes.append("rng: the source stores no RNG state; none is written")
-        tmp = temp_dir(path)
+        tmp = temp_dir(path, values.iteration)
         try:
             writer, files = DcpWriter(tmp), 0
             for rank in range(to.world_size):
@@ -159,7 +175,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                 if dense and rng_states:
                     writer.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
             writer.finish()
-            commit_dir(tmp, path, common_state(values, optim, meta.get("content_metadata")))
+            commit_dir(tmp, path, common_state(values, optim, meta.get("content_metadata")), values.iteration)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

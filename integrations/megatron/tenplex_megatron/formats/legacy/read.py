@@ -25,53 +25,46 @@ parameter's name, and a missing moment is an error.
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from tenplex.errors import ConfigError, ManifestError
+from tenplex.errors import ConfigError, ManifestError, TenplexError
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.description import Description
+from tenplex_megatron.formats.folders import TRACKER, iteration_dir_name, locate
 from tenplex_megatron.model.flatbuf import distrib_optim_refs
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
                                       rank_keys)  # rank_keys: re-exported
 from tenplex_megatron.formats.legacy.grid import legacy_grid, legacy_writers, rank_dir_name, rank_dirs
 from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs
-from tenplex_megatron.torchfiles.safe_load import open_regular
 from tenplex_megatron.formats.source import MegatronSource
 from tenplex_megatron.model.tied import check_tied
 
 __all__ = ["TRACKER", "is_legacy", "describe_legacy", "open_legacy", "LegacySource", "rank_dir_name",
            "iteration_dir_name", "rank_keys"]
 
-TRACKER = "latest_checkpointed_iteration.txt"
+_RANK_PREFIX = re.compile(r"mp_rank_\d{2}")
 _KNOWN = {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
           "rng_state", "num_floating_point_operations_so_far"}
 
 
-def is_legacy(root: str) -> bool:
-    return os.path.isfile(os.path.join(root, TRACKER))
+def is_legacy(path: str) -> bool:
+    """Whether ``path`` (a ``--save`` root or an iteration folder) holds ``mp_rank_*`` folders."""
+    try:
+        d = locate(path).dir
+        return any(_RANK_PREFIX.match(n) for n in os.listdir(d))
+    except (OSError, TenplexError):
+        return False
 
 
-def iteration_dir_name(iteration) -> str:
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-
-
-def _iteration_dir(root: str) -> tuple[str, int | str]:
-    path = os.path.join(root, TRACKER)
-    if not os.path.lexists(path):
-        raise ManifestError(f"{root}: no {TRACKER}; not a Megatron-LM checkpoint")
-    f, _ = open_regular(path, path)
-    with f:
-        text = f.read(64).decode("utf-8", "replace").strip()
-    if text == "release":
-        return os.path.join(root, "release"), "release"
-    if not text.isdigit() or len(text) > 12:
-        raise ManifestError(f"{root}/{TRACKER}: expected an iteration number, found {text[:20]!r}")
-    return os.path.join(root, iteration_dir_name(int(text))), int(text)
+def _iteration_dir(root: str, iteration=None) -> tuple[str, int | str | None]:
+    found = locate(root, iteration)
+    return found.dir, found.iteration
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -312,13 +305,16 @@ class Found(NamedTuple):
     bytes_read: int
 
 
-def describe_legacy(root: str, model_config: dict | None = None, threads: int = 8) -> Found:
+def describe_legacy(root: str, model_config: dict | None = None, threads: int = 8,
+                    iteration: int | str | None = None) -> Found:
     """Describe a Megatron-LM per-rank checkpoint from its files' pickles (no tensor is read).
 
     Args:
-        root: the checkpoint root (holding ``latest_checkpointed_iteration.txt``).
+        root: the ``--save`` root (holding ``latest_checkpointed_iteration.txt``), or an
+            iteration folder (:func:`tenplex_megatron.formats.folders.locate`).
         model_config: model config fields, whole or overriding the files' ``args``.
         threads: files opened at once.
+        iteration: the iteration to read under a root (default: the tracker's).
 
     Returns:
         A :class:`Found`.
@@ -329,7 +325,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             mis-shaped key, or a missing Adam moment.
         ConfigError: the args and the directory grid disagree.
     """
-    iter_dir, iteration = _iteration_dir(root)
+    iter_dir, iteration = _iteration_dir(root, iteration)
     dirs = rank_dirs(iter_dir)
     model_files = {k: os.path.join(d, "model_optim_rng.pt") for k, d in dirs.items()}
     distrib = {k: os.path.join(d, "distrib_optim.pt") for k, d in dirs.items()
@@ -391,7 +387,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     files = {k[:2]: s for k, s in files.items() if writers[k].dense_dp_first}
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
-        "megatron/iteration": iteration,
+        "megatron/iteration": iteration if iteration is not None else first.get("iteration", 0),
         "megatron/checkpoint_version": first.get("checkpoint_version"),
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(first.get("opt_param_scheduler"), "opt_param_scheduler"),
@@ -448,13 +444,14 @@ class LegacySource(MegatronSource):
         return obj
 
 
-def open_legacy(root: str, model_config: dict | None = None, threads: int = 8) -> LegacySource:
+def open_legacy(root: str, model_config: dict | None = None, threads: int = 8,
+                iteration: int | str | None = None) -> LegacySource:
     """A :class:`LegacySource` over the checkpoint at ``root``; tied embedding copies compared first.
 
     Raises:
         ManifestError, ConfigError: see :func:`describe_legacy`; also when the
             first and last stages' copies of a tied embedding differ.
     """
-    source = LegacySource(describe_legacy(root, model_config, threads))
+    source = LegacySource(describe_legacy(root, model_config, threads, iteration))
     check_tied(source)
     return source

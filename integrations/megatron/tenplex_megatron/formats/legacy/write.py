@@ -30,7 +30,7 @@ from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.flatbuf import (FLAT_DTYPE, buffer_dtypes, distrib_optim_state, flat_buffers,
                                       flat_numel)
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, chunk_keys, extra_state_keys, optimizer_path, param_order
-from tenplex_megatron.formats.legacy.read import TRACKER, iteration_dir_name
+from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.formats.legacy.grid import check_expert_files, legacy_writers, rank_dir_name
 from tenplex_megatron.torchfiles.ptsave import save_streamed
 from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
@@ -126,10 +126,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        tracker = os.path.join(root, f".{TRACKER}.tmp-{uuid.uuid4().hex}")
-        with open(tracker, "w") as f:
-            f.write(str(values.iteration))
-        os.replace(tracker, os.path.join(root, TRACKER))
+        write_tracker(root, values.iteration)
         return {"bytes_written": written, "files": files, "padding": list(build.plan.padding),
                 "notes": values.notes}
 
