@@ -25,13 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.layout import Expert, Layout, Padding, Split, Stage, StageKind
 from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
 
 from tenplex_megatron.model.config import MegatronConfig
 
-__all__ = ["ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
+__all__ = ["check_attention_tp", "ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
            "EXTRA_STATE_LINEARS", "optimizer_path", "rank_keys", "param_order", "spec_of",
            "extra_state_keys", "chunk_keys"]
 
@@ -146,8 +147,10 @@ def _norm(cfg, mcore, legacy, layer, layout, dist=None, size=None) -> list[Param
 def _layer(cfg: MegatronConfig, i: int) -> list[ParamSpec]:
     dt, h, d = cfg.params_dtype, cfg.hidden_size, cfg.kv_channels
     rep = Layout()
-    per_group = (cfg.num_attention_heads // cfg.num_query_groups + 2) * d
-    qkv = Layout(split=Split(0, granularity=per_group, unit="num_query_groups"))
+    # tp may exceed the query groups (megatron-core attention.py: num_query_groups < world_size):
+    # linear_qkv is then cut into tp equal row blocks, which need not hold whole groups; the
+    # rule on tp is :func:`check_attention_tp`'s
+    qkv = Layout(split=Split(0, unit="linear_qkv rows"))
     proj = Layout(split=Split(1, granularity=d, unit="num_attention_heads"))
     F = cfg.ffn_hidden_size
     fc1 = Layout(split=Split(0, parts=(F, F) if cfg.swiglu else None, unit="ffn_hidden_size"))
@@ -240,6 +243,20 @@ def extra_state_keys(cfg: MegatronConfig, layer: int, ep: int) -> list[str]:
         if cfg.moe_shared_expert_intermediate_size:
             keys += [f"{D}.mlp.shared_experts.{n}" for n in linears]
     return [k + "._extra_state" for k in keys]
+
+
+def check_attention_tp(cfg: MegatronConfig, tp: int) -> None:
+    """megatron-core's rule for tp over attention (core_v0.16.1 ``transformer/attention.py``,
+    ``Attention.__init__``): tp divides the heads, and either divides the query groups or is a
+    multiple of them (then each group's key/value heads are used by ``tp / groups`` ranks).
+
+    Raises:
+        ConfigError: naming the heads, the groups and tp.
+    """
+    heads, groups = cfg.num_attention_heads, cfg.num_query_groups
+    if heads % tp or (groups % tp and tp % groups):
+        raise ConfigError(f"tp={tp} does not divide num_query_groups={groups}, nor is a multiple of it "
+                          f"that divides num_attention_heads={heads} (megatron-core attention.py)")
 
 
 def megatron_tree(cfg: MegatronConfig, optimizer: bool = False) -> PTree:

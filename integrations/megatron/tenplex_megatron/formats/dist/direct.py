@@ -32,7 +32,7 @@ from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.formats.dist.source import DistSource, chunk_path, open_dist
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.formats.dist.write import commit_dir, temp_dir
-from tenplex_megatron.model.layouts import OPTIMIZER_STATES, param_specs
+from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_attention_tp, param_specs
 
 __all__ = ["reshard_dist"]
 
@@ -59,7 +59,8 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
         return None
     cfg = source.desc.cfg
     source.tree.validate(to)
-    vocab = _vocab_keys(cfg)
+    check_attention_tp(cfg, to.tp)
+    vocab = {k: p for k, p in _vocab_keys(cfg).items() if k in source.md.state_dict_metadata}  # stored ones only
     old, new = cfg.padded_vocab(source.config.tp), cfg.padded_vocab(to.tp)
     values = _target_values(source, to)
     tmp = temp_dir(dst, values.iteration)
@@ -85,7 +86,8 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    padding = [PaddingChange(path, 0, cfg.vocab_size, old, new) for path in vocab.values()] if old != new else []
+    padding = [PaddingChange(path, 0, cfg.vocab_size, old, new) for path in sorted(set(vocab.values()))] \
+        if old != new else []
     return {"src": str(source.config), "bytes_read": source.bytes_read, "bytes_written": writer.bytes_written,
             "files": len(by_file), "padding": padding, "notes": values.notes, "direct": True}
 
