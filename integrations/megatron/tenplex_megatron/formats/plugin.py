@@ -78,7 +78,8 @@ class _Legacy:
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
         from tenplex_megatron.formats.legacy.write import write_legacy
 
-        return write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
+        return write_legacy(source, path, to, options.get("threads", 8), options.get("progress"),
+                            names=options.get("names"))
 
     @staticmethod
     def verify(path: str, **options) -> dict:
@@ -114,14 +115,15 @@ class _Dist:
     def write(source, path: str, to: ParallelConfig, **options) -> dict:
         from tenplex_megatron.formats.dist.write import write_dist
 
-        return write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
+        return write_dist(source, path, to, options.get("threads", 8), options.get("progress"),
+                          names=options.get("names"))
 
     @staticmethod
     def reshard(src: str, dst: str, to: ParallelConfig, **options) -> dict | None:
         """Direct dist-to-dist reshard (DCP items copied, vocab rows and args adjusted), or None."""
         from tenplex_megatron.formats.dist.direct import reshard_dist
 
-        return reshard_dist(src, dst, to, _model_config(options), _iteration(options))
+        return reshard_dist(src, dst, to, _model_config(options), _iteration(options), options.get("names"))
 
     @staticmethod
     def verify(path: str, **options) -> dict:

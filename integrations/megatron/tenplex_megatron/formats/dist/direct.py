@@ -40,7 +40,7 @@ _COPY = 64 << 20
 
 
 def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | None = None,
-                 iteration: int | str | None = None) -> dict | None:
+                 iteration: int | str | None = None, names: str | None = None) -> dict | None:
     """Reshard a ``torch_dist`` directory to ``to`` directly, or return None if it needs the planner.
 
     ``src`` is read as :func:`tenplex_megatron.formats.folders.locate` finds it; ``dst`` is
@@ -55,8 +55,8 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
         ManifestError: a bad source (see :func:`tenplex_megatron.formats.dist.source.open_dist`).
     """
     source = open_dist(src, model_config, iteration)
-    if source.optim == "dp_reshardable":
-        return None
+    if source.optim == "dp_reshardable" or names not in (None, source.meta["megatron"].get("names")):
+        return None  # buffers follow the layout, or keys are renamed: through the planner
     cfg = source.desc.cfg
     source.tree.validate(to)
     check_attention_tp(cfg, to.tp)

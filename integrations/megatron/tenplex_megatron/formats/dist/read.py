@@ -29,7 +29,7 @@ from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.dist.buffers import chained, expected_flat
-from tenplex_megatron.formats.dist.keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
+from tenplex_megatron.formats.dist.keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify, dist_names,
                                        expected_tensors, is_dist, known_extra_state, object_key)
 from tenplex_megatron.dcp.records import BytesStorageMetadata, TensorStorageMetadata
 from tenplex_megatron.dcp.safe import read_checked, read_objects
@@ -165,9 +165,9 @@ def _buffer_grid(cfg, md, where) -> tuple[int, int]:
     return matches[0]
 
 
-def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | None:
+def _check_keys(cfg, sharding, md, optim, dtypes, where, names: str = "local") -> tuple[str, str] | None:
     """Every DCP key is known and holds what the model config says; returns the buffer dtypes."""
-    expected = expected_tensors(cfg, sharding, optim)
+    expected = expected_tensors(cfg, sharding, optim, names)
     config = sharding.config
     found_flat: set = set()
     for key, item in md.state_dict_metadata.items():
@@ -306,7 +306,12 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
     check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
-    dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
+    names = dist_names(cfg, md.state_dict_metadata)
+    if names == "te" and optim == "dp_reshardable":
+        raise ManifestError(f"{root}: dp_reshardable optimizer buffers of a TransformerEngine model: their "
+                            "order follows TE's modules, which tenplex does not model; save the optimizer "
+                            "fully_reshardable")
+    dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root, names)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
@@ -336,7 +341,7 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
         "megatron/rng_state": sorted(rng_coords(md)),
         "megatron/extra": extra or None,
     }
-    meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim,
+    meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim, "names": names,
                          "buffer_dtypes": list(dtypes) if dtypes else None,
                          "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
     return FoundDist(Description(cfg, config, tree, values, meta), md, nbytes, refs)

@@ -36,7 +36,7 @@ from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
 from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rng_key
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
-from tenplex_megatron.model.layouts import OPTIMIZER_STATES, spec_of
+from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of
 from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
 
 __all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir"]
@@ -122,7 +122,8 @@ def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
 
 
-def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
+def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None,
+               names: str | None = None) -> dict:
     """Write ``source`` laid out for ``to`` as a ``torch_dist`` checkpoint under the ``--save`` root ``path``.
 
     The iteration folder ``path/iter_NNNNNNN`` is written under a temporary name and renamed
@@ -135,6 +136,9 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         to: the target config (its dp sizes nothing on disk: tensors are global).
         threads: leaves built at once.
         progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
+        names: the naming scheme (``"local"`` or ``"te"``: an MoE layer's norm is
+            ``pre_mlp_layernorm`` and attention has a ``core_attention`` extra state under TE);
+            default: the source's.
 
     Returns:
         ``{"bytes_written", "files", "padding", "notes"}``.
@@ -145,6 +149,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         ManifestError: the source is not a Megatron model, or a bad source.
     """
     cfg, meta = megatron_meta(source)
+    names = check_names(names or meta.get("names") or "local")
     has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
     optim = None if not has_optim else meta.get("optimizer") if meta.get("optimizer") in (
         "dp_reshardable", "adam") else "fully_reshardable"
@@ -153,6 +158,10 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                           "torch_dist state only for fp32 params (no fp32_from_fp16_params); write legacy")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
+        values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
+        if names == "te" and optim == "dp_reshardable":
+            raise ConfigError("dp_reshardable optimizer buffers with TransformerEngine names: their order "
+                              "follows TE's modules, which tenplex does not model; use local names")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
@@ -167,11 +176,11 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                     continue  # holds replicas only: megatron-core writes replica_id 0
                 writer.open(f"__{rank}_0.distcp")
                 files += 1
-                _write_tensors(build, cfg, writer, rank, optim)
+                _write_tensors(build, cfg, writer, rank, optim, names)
                 if optim == "dp_reshardable":
                     _write_buffers(build, cfg, writer, c, rank, dtypes, values)
                 if dense and c.tp == 0 and c.ep == 0:
-                    _write_extra_states(cfg, to, writer, c.pp)
+                    _write_extra_states(cfg, to, writer, c.pp, names)
                 if dense and rng_states:
                     writer.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
             writer.finish()
@@ -183,16 +192,16 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                 "padding": list(build.plan.padding), "notes": values.notes}
 
 
-def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+def _dcp_key(cfg: MegatronConfig, path: str, names: str = "local") -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """DCP key of tree path ``path``, its leading coordinates (layer, then global expert) and their sizes."""
     spec = spec_of(cfg, path if path.startswith("model/") else "model/" + path.split("/", 2)[2])
-    key, lead, sizes = dist_key(cfg, spec)
+    key, lead, sizes = dist_key(cfg, spec, names)
     if not path.startswith("model/"):
         key = f"optimizer.state.{path.split('/')[1]}.{key}"
     return key, lead, sizes
 
 
-def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
+def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim, names: str = "local") -> None:
     sharding = build.runner.D
     # a non-distributed optimizer's main params are the fp32 model params: only its moments are stored
     prefixes = {"fully_reshardable": ("model/", "optimizer/"),
@@ -201,7 +210,7 @@ def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
              and any(c.ranks[0] == rank for c in sharding.classes(q))]
     coord = build.to.coord(rank)
     for path, local in build.stream(rank, paths):
-        key, lead, lead_sizes = _dcp_key(cfg, path)
+        key, lead, lead_sizes = _dcp_key(cfg, path, names)
         size = sharding.physical_shape(build.tree[path])
         held = sharding.holding(path, coord)
         for piece in held.pieces:
@@ -238,9 +247,9 @@ def _write_buffers(build, cfg, writer, c, rank, dtypes, values) -> None:
             writer.object(buf.object(name), [data])
 
 
-def _write_extra_states(cfg, to, writer, p) -> None:
+def _write_extra_states(cfg, to, writer, p, names: str = "local") -> None:
     """Stage ``p``'s ``_extra_state`` objects (all None), expert ones per (layer, global expert)."""
     for v in range(to.vpp):
         for layer in to.chunk_layers(p, v, cfg.num_layers):
-            for key in extra_state_objects(cfg, layer):
+            for key in extra_state_objects(cfg, layer, names):
                 writer.object(key, [None])

@@ -39,10 +39,10 @@ from tenplex_megatron.formats.folders import TRACKER, iteration_dir_name, locate
 from tenplex_megatron.model.flatbuf import distrib_optim_refs
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
-                                      rank_keys)  # rank_keys: re-exported
+                                      param_specs, rank_keys)  # rank_keys: re-exported
 from tenplex_megatron.formats.legacy.grid import legacy_grid, legacy_writers, rank_dir_name, rank_dirs
 from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs
-from tenplex_megatron.formats.source import MegatronSource
+from tenplex_megatron.formats.source import MegatronSource, empty_extra_state, extra_state_note
 from tenplex_megatron.model.tied import check_tied
 
 __all__ = ["TRACKER", "is_legacy", "describe_legacy", "open_legacy", "LegacySource", "rank_dir_name",
@@ -88,7 +88,7 @@ def _check_ref(ref: Any, shape, dtype, what: str) -> TensorRef:
 
 
 def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, schemes: set,
-                writer) -> dict:
+                writer, names: set, dropped: list) -> dict:
     """Refs of chunk ``v``'s tensors in a rank file of (tp ``t``, pp ``p``, ep ``e``).
 
     Dense tensors are taken from the files of dense dp x cp rank 0 (ep rank
@@ -96,14 +96,21 @@ def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, sche
     only); expert ``j`` of ep rank ``e`` is global expert ``e * E / ep + j``,
     split at the writer's expert-tp rank (keyed by it). ``schemes`` collects
     the expert naming schemes seen (``"sequential"`` or ``"grouped"``);
-    ``writer`` is the ``Coord`` of the rank that wrote the file.
+    ``writer`` is the ``Coord`` of the rank that wrote the file; ``names`` collects the norms'
+    naming schemes seen (``"local"`` or ``"te"``, :data:`~tenplex_megatron.model.layouts.NAMES`),
+    ``dropped`` the non-empty (FP8) extra states.
     """
     dense = writer.dense_dp_first
     out, used = {}, set()
-    for path, keys in chunk_keys(cfg, config, p, v, e).items():
+    keyed = chunk_keys(cfg, config, p, v, e)
+    te_names = {s.path: keyed[s.path][-1] for s in param_specs(cfg) if s.te and s.path in keyed}
+    for path, keys in keyed.items():
         key = next((k for k in keys if k in model), None)
         if key is None:
             raise ManifestError(f"{where}: key {keys[0]} (leaf {path}) is missing")
+        te = te_names.get(path)
+        if te is not None:
+            names.add("te" if key == te else "local")
         leaf = sharding.tree[path]
         split = t
         if leaf.layout.expert is not None:
@@ -119,9 +126,11 @@ def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, sche
         if key in used:
             continue
         if key.endswith("_extra_state"):
-            if value is not None:
-                raise ManifestError(f"{where}: {key} holds {type(value).__name__} state (e.g. FP8 "
-                                    "metadata); tenplex carries only empty extra state")
+            if not empty_extra_state(value):
+                if not isinstance(value, TensorRef):
+                    raise ManifestError(f"{where}: {key} holds {type(value).__name__}; expected a "
+                                        "TransformerEngine extra state (a uint8 tensor) or None")
+                dropped.append(f"{where}: {key}")
             continue
         raise ManifestError(f"{where}: unexpected key {key}; tenplex keeps every tensor of a "
                             "checkpoint, and this one is not part of the model config")
@@ -354,6 +363,8 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     writers = {k: config.coord(r) for k, r in legacy_writers(config).items()}  # who wrote each file
     refs: dict = {}
     schemes: set = set()
+    names: set = set()
+    dropped: list = []
     buffer_dtypes = None
     for (t, p, e), state in sorted(files.items()):
         where = model_files[next(k for k, d in dirs.items() if d == mapped[(t, p, e)])]
@@ -362,7 +373,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             if not isinstance(state.get(key), dict):
                 raise ManifestError(f"{where}: no {key} state dict")
             model.update(_model_refs(cfg, config, sharding, t, p, e, v, _flatten(dict(state[key])),
-                                     f"{where} [{key}]", schemes, writers[(t, p, e)]))
+                                     f"{where} [{key}]", schemes, writers[(t, p, e)], names, dropped))
         if len(schemes) > 1:
             raise ManifestError(f"{where}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                                 "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
@@ -384,6 +395,14 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if len(schemes) > 1:
         raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                             "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
+    if len(names) > 1:
+        raise ManifestError(f"{iter_dir}: norm keys mix megatron-core's local names (input_layernorm) and "
+                            "TransformerEngine's (self_attention.linear_qkv.layer_norm_weight)")
+    if names == {"te"} and kind is not None:
+        raise ManifestError(f"{iter_dir}: optimizer state of a TransformerEngine model (--transformer-impl "
+                            "transformer_engine): its parameter order follows TE's modules, which tenplex "
+                            "does not model yet; save with --ckpt-format torch_dist (fully_reshardable), "
+                            "or reshard the model alone (--no-save-optim)")
     files = {k[:2]: s for k, s in files.items() if writers[k].dense_dp_first}
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
@@ -400,8 +419,10 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
                          "buffer_dtypes": buffer_dtypes}}
     if schemes:
         meta["megatron"]["expert_names"] = schemes.pop()
+    meta["megatron"]["names"] = names.pop() if names else "local"
     steps = _steps(first["optimizer"]) if kind == "adam" else []
-    return Found(Description(cfg, config, tree, values, meta), refs, rng_refs, steps, nbytes)
+    notes = [extra_state_note(len(dropped), dropped[0])] if dropped else []
+    return Found(Description(cfg, config, tree, values, meta, notes), refs, rng_refs, steps, nbytes)
 
 
 class LegacySource(MegatronSource):
