@@ -27,7 +27,12 @@ __all__ = ["reshard", "inspect", "plan", "verify", "example"]
 
 
 def _options(args) -> dict:
-    return {"model_config": getattr(args, "model_config", None), "threads": getattr(args, "threads", 8)}
+    """The format options (see :mod:`tenplex.formats.protocol`) the command line gave."""
+    out = {"model_config": getattr(args, "model_config", None), "threads": getattr(args, "threads", 8),
+           "iteration": getattr(args, "iteration", None)}
+    if getattr(args, "names", None):
+        out["names"] = args.names
+    return out
 
 
 class _Bar:
@@ -68,8 +73,7 @@ def _report(args, r: ReshardReport) -> None:
 
 def reshard(args) -> int:
     with _Bar("reshard") as bar:
-        r = api.reshard(args.src, args.dst, args.to, format=args.format, threads=args.threads,
-                        progress=bar, model_config=args.model_config)
+        r = api.reshard(args.src, args.dst, args.to, format=args.format, progress=bar, **_options(args))
     _report(args, r)
     return 0
 

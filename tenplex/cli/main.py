@@ -37,6 +37,9 @@ def _reshard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default=None,
                    help="output format (default: the source's); 'tenplex' or a plugin's name")
     p.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
+    p.add_argument("--names", choices=("local", "te"), default=None,
+                   help="Megatron key naming scheme of the output: megatron-core's local layer spec or "
+                        "TransformerEngine's (default: the source's)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -93,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--model-config", default=None, metavar="JSON",
                         help="model config for checkpoints that do not carry one (format plugins)")
+    parser.add_argument("--iteration", default=None, metavar="N",
+                        help="which iteration of a Megatron-LM --save folder to read (default: the "
+                             "tracker's, latest_checkpointed_iteration.txt; or 'release')")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (text, add_arguments) in COMMANDS.items():
         add_arguments(sub.add_parser(name, help=text))

@@ -29,6 +29,29 @@ def rng_digest(state: dict) -> str:
     return h.hexdigest()[:16]
 
 
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def megatron_load_dir(root: str) -> str:
+    """The folder Megatron-LM's ``load_checkpoint`` loads from ``--load root`` (core_v0.16.1 to 0.19.2,
+    ``megatron/training/checkpointing.py``): ``read_metadata`` reads the tracker, then
+    ``get_checkpoint_name(root, iteration, release, return_base_dir=True)`` names the iteration
+    folder. Without a tracker Megatron-LM starts from scratch; here a folder without one is
+    taken as a bare ``dist_checkpointing`` folder (the project's older tests)."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return root
+    with open(tracker) as f:
+        text = f.read().strip()
+    return os.path.join(root, "release" if text == "release" else f"iter_{int(text):07d}")
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Megatron-LM's ``save_checkpoint`` writes the tracker last, on rank 0."""
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(str(iteration))
+
+
 def log0(*msg) -> None:
     import torch.distributed as dist
 
@@ -216,6 +239,9 @@ class CheckpointMixin:
 
         t = time.time()
         md = self.sharded_sd_metadata()
+        save_root = root
+        if getattr(self.a, "dist_layout", "bare") == "megatron":  # Megatron-LM's --save layout
+            root = os.path.join(root, f"iter_{self.a.iteration:07d}")
         if self.dist.get_rank() == 0:
             os.makedirs(root, exist_ok=True)
         self.dist.barrier()
@@ -236,6 +262,9 @@ class CheckpointMixin:
             sd["checkpoint_version"] = 3.0
             sd.setdefault("iteration", self.a.iteration)
         dist_checkpointing.save(sd, root, content_metadata=_clean_md(md))
+        self.dist.barrier()
+        if save_root != root and self.dist.get_rank() == 0:
+            write_tracker(save_root, self.a.iteration)
         self.dist.barrier()
         log0(f"TIME save_dist {time.time() - t:.2f}")
 
@@ -285,6 +314,7 @@ class CheckpointMixin:
     def load_dist(self, root: str):
         from megatron.core import dist_checkpointing
 
+        root = megatron_load_dir(root)
         t = time.time()
         md = self.sharded_sd_metadata()
         with_optim = self.optimizer is not None and not self.a.no_load_optim

@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fresh-logits-out", default=None,
                    help="write the freshly initialized model's logits here, before loading")
     p.add_argument("--save-dir", default=None)
+    p.add_argument("--dist-layout", choices=["bare", "megatron"], default="bare",
+                   help="dist saves: a bare dist_checkpointing folder, or Megatron-LM's --save layout "
+                        "(SAVE_DIR/iter_NNNNNNN and latest_checkpointed_iteration.txt)")
     p.add_argument("--iteration", type=int, default=10)
     p.add_argument("--logits-out", default=None)
     p.add_argument("--also-load", nargs=4, action="append", default=[],

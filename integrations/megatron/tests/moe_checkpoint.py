@@ -16,7 +16,7 @@ import os
 import random
 import time
 
-from mcore_checkpoint import CheckpointMixin as DenseCheckpointMixin, log0
+from mcore_checkpoint import CheckpointMixin as DenseCheckpointMixin, log0, megatron_load_dir
 
 
 class CheckpointMixin(DenseCheckpointMixin):
@@ -170,6 +170,7 @@ class CheckpointMixin(DenseCheckpointMixin):
     def load_dist(self, root: str):
         from megatron.core import dist_checkpointing
 
+        root = megatron_load_dir(root)
         md = self.sharded_sd_metadata()
         with_optim = self.optimizer is not None and not self.a.no_load_optim
         if with_optim:

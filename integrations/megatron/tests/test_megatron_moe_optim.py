@@ -15,9 +15,12 @@ match the source's within 1e-6 (a fresh model's do not), and 2 more steps
 match the static run within 1e-6.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from mcore_checkpoint import megatron_load_dir
 from mcore_helpers import tenplex
 from moe_cases import FORMATS, check_resumed, source_cache
 
@@ -33,9 +36,10 @@ def sources(tmp_path_factory):
 
 
 def dcp_keys(root) -> set[str]:
+    """The DCP keys of a torch_dist checkpoint (a --save root: its tracker's iteration folder)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    return set(FileSystemReader(str(root)).read_metadata().state_dict_metadata)
+    return set(FileSystemReader(megatron_load_dir(str(root))).read_metadata().state_dict_metadata)
 
 
 # (name, source world, source flags, target world, target flags, target config, target format)
@@ -58,7 +62,7 @@ def test_dp_reshardable_with_experts_and_vpp_is_kept(sources, tmp_path, case):
     done = tenplex("reshard", str(source / "dist"), str(out), "--to", to, "--format", FORMATS[out_fmt])
     assert done.returncode == 0, done.stderr
     if out_fmt == "dist":
-        common = torch.load(out / "common.pt", weights_only=False)
+        common = torch.load(Path(megatron_load_dir(str(out))) / "common.pt", weights_only=False)
         assert common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
         keys = dcp_keys(out)
         assert not any(k.startswith("optimizer.state.") for k in keys)
@@ -87,7 +91,7 @@ def test_non_distributed_adam_with_experts(sources, tmp_path, case):
     done = tenplex("reshard", str(source / fmt), str(out), "--to", to, "--format", FORMATS[out_fmt])
     assert done.returncode == 0, done.stderr
     if out_fmt == "dist":
-        optimizer = torch.load(out / "common.pt", weights_only=False)["optimizer"]
+        optimizer = torch.load(Path(megatron_load_dir(str(out))) / "common.pt", weights_only=False)["optimizer"]
         assert set(optimizer) == ({0, 1} if "ep=2" in to else {"state", "param_groups"}), optimizer.keys()
         assert not any(k.startswith("optimizer.state.param.") for k in dcp_keys(out))
     check_resumed(source, static, tmp_path, n_dst, dst + " --optimizer", out_fmt, out, "--strict", "on")

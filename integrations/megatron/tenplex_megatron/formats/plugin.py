@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from tenplex.errors import ConfigError
 from tenplex.formats.protocol import Description, VerifyResult, WriteResult, padding_lines
 from tenplex.ptree.config import ParallelConfig
 
@@ -54,6 +55,23 @@ def _verified(r: dict) -> VerifyResult:
                         checked="every record's CRC-32", checksums=r.get("checksums"))
 
 
+def _iteration(options: dict) -> int | str | None:
+    """The ``--iteration`` option: which iteration folder of a ``--save`` root to read (default: the
+    tracker's, as Megatron-LM's ``--load``); an int or ``"release"``.
+
+    Raises:
+        ConfigError: for anything else.
+    """
+    it = options.get("iteration")
+    if it is None or it == "release":
+        return it
+    if isinstance(it, str) and it.isdigit():
+        it = int(it)
+    if not isinstance(it, int) or isinstance(it, bool) or it < 0:
+        raise ConfigError(f"--iteration {it!r}: expected a non-negative iteration number or 'release'")
+    return it
+
+
 class _Legacy:
     """Megatron-LM's per-rank ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` checkpoints."""
 
@@ -67,19 +85,21 @@ class _Legacy:
     def describe(path: str, **options) -> Description:
         from tenplex_megatron.formats.legacy.read import describe_legacy
 
-        return _description(_Legacy.name, describe_legacy(path, _model_config(options)).desc)
+        return _description(_Legacy.name, describe_legacy(path, _model_config(options),
+                                                          iteration=_iteration(options)).desc)
 
     @staticmethod
     def open_source(path: str, **options):
         from tenplex_megatron.formats.legacy.read import open_legacy
 
-        return open_legacy(path, _model_config(options), options.get("threads", 8))
+        return open_legacy(path, _model_config(options), options.get("threads", 8), _iteration(options))
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> WriteResult:
         from tenplex_megatron.formats.legacy.write import write_legacy
 
-        r = write_legacy(source, path, to, options.get("threads", 8), options.get("progress"))
+        r = write_legacy(source, path, to, options.get("threads", 8), options.get("progress"),
+                         names=options.get("names"))
         return _written(r, source.bytes_read)
 
     @staticmethod
@@ -87,7 +107,8 @@ class _Legacy:
         from tenplex_megatron.formats.legacy.verify import verify_legacy
 
         return _verified(verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
-                             threads=options.get("threads", 8), progress=options.get("progress")))
+                                       threads=options.get("threads", 8), progress=options.get("progress"),
+                                       iteration=_iteration(options)))
 
 
 class _Dist:
@@ -103,19 +124,20 @@ class _Dist:
     def describe(path: str, **options) -> Description:
         from tenplex_megatron.formats.dist.read import describe_dist
 
-        return _description(_Dist.name, describe_dist(path, _model_config(options)).desc)
+        return _description(_Dist.name, describe_dist(path, _model_config(options), _iteration(options)).desc)
 
     @staticmethod
     def open_source(path: str, **options):
         from tenplex_megatron.formats.dist.source import open_dist
 
-        return open_dist(path, _model_config(options))
+        return open_dist(path, _model_config(options), _iteration(options))
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> WriteResult:
         from tenplex_megatron.formats.dist.write import write_dist
 
-        r = write_dist(source, path, to, options.get("threads", 8), options.get("progress"))
+        r = write_dist(source, path, to, options.get("threads", 8), options.get("progress"),
+                       names=options.get("names"))
         return _written(r, source.bytes_read)
 
     @staticmethod
@@ -123,7 +145,7 @@ class _Dist:
         """Direct dist-to-dist reshard (DCP items copied, vocab rows and args adjusted), or None."""
         from tenplex_megatron.formats.dist.direct import reshard_dist
 
-        r = reshard_dist(src, dst, to, _model_config(options))
+        r = reshard_dist(src, dst, to, _model_config(options), _iteration(options), options.get("names"))
         return None if r is None else _written(r, r["bytes_read"], direct=True)
 
     @staticmethod
@@ -131,7 +153,8 @@ class _Dist:
         from tenplex_megatron.formats.dist.verify import verify_dist
 
         return _verified(verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
-                           threads=options.get("threads", 8), progress=options.get("progress")))
+                                     threads=options.get("threads", 8), progress=options.get("progress"),
+                                     iteration=_iteration(options)))
 
 
 LEGACY = _Legacy()

@@ -20,7 +20,26 @@ from tenplex.ptree.sharding import Sharding
 
 from tenplex_megatron.formats.description import Description
 
-__all__ = ["MegatronSource"]
+__all__ = ["MegatronSource", "empty_extra_state", "extra_state_note"]
+
+
+def empty_extra_state(obj: Any) -> bool:
+    """Whether a module's ``_extra_state`` holds nothing: ``None`` (megatron-core's own linears) or an
+    empty tensor (TransformerEngine's ``get_extra_state`` without FP8), bare or in a one-item list
+    (a ``ShardedObject``'s). ``obj`` may be a tensor or a legacy reader's tensor reference."""
+    if isinstance(obj, list) and len(obj) == 1:
+        obj = obj[0]
+    if obj is None:
+        return True
+    shape = getattr(obj, "shape", None)
+    return shape is not None and (0 in tuple(shape) if len(tuple(shape)) else False)
+
+
+def extra_state_note(count: int, first: str) -> str:
+    """The note for dropped non-empty extra states (TransformerEngine's FP8 scaling metadata)."""
+    return (f"extra_state: {count} TransformerEngine extra states hold FP8 scaling metadata (first: {first}); "
+            "it is kept per tensor-parallel shard, so it is not carried to another layout: the output "
+            "has empty extra states, and TE rebuilds its FP8 scales from the amax of the next steps")
 
 
 class MegatronSource:

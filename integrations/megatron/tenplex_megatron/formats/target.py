@@ -22,6 +22,7 @@ from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.transform.planner import make_plan
 
 from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.layouts import check_attention_tp
 
 __all__ = ["TargetBuilder", "megatron_meta", "BUDGET"]
 
@@ -77,6 +78,7 @@ class TargetBuilder:
                  progress: Callable[[int, int], None] | None = None):
         self.source, self.to, self.threads, self.budget = source, to, max(1, threads), budget
         self.tree = source.tree
+        check_attention_tp(megatron_meta(source)[0], to.tp)
         self.plan = make_plan(self.tree, source.config, to)
         self.runner = StorePlanRunner(source, self.plan, self.threads)
         self.values = target_values(self.tree, self.plan, source)

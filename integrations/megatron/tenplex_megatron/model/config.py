@@ -332,9 +332,8 @@ def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
         A new Namespace whose ``tensor_model_parallel_size``,
         ``pipeline_model_parallel_size``, ``data_parallel_size``, ``context_parallel_size``,
         ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
-        ``virtual_pipeline_model_parallel_size`` (None for 1),
-        ``world_size``, ``padded_vocab_size`` and uneven-pipeline fields
-        describe ``config``; every other field is the source's.
+        ``world_size``, ``padded_vocab_size`` and every pipeline-layout field
+        (:func:`pipeline_args`) describe ``config``; every other field is the source's.
 
     Raises:
         ConfigError: if ``config``'s stages cannot be written as Megatron-LM args.
@@ -348,10 +347,28 @@ def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
     out.world_size = config.world_size
     out.context_parallel_size = config.cp
     out.expert_model_parallel_size, out.expert_tensor_parallel_size = config.ep, config.etp
-    out.virtual_pipeline_model_parallel_size = config.vpp if config.vpp > 1 else None
     out.padded_vocab_size = cfg.padded_vocab(config.tp)
-    vars(out).update(uneven_args(config.stage_layers))
+    vars(out).update(pipeline_args(config))
     return out
+
+
+def pipeline_args(config: Any) -> dict:
+    """Every Megatron-LM arg the pipeline layout is derived from, for ``config``.
+
+    Megatron-LM core_v0.16.1 ``arguments.py::validate_args`` recomputes
+    ``virtual_pipeline_model_parallel_size`` from ``num_layers_per_virtual_pipeline_stage`` or
+    ``num_virtual_stages_per_pipeline_rank`` (at most one may be set), builds the stages from
+    ``pipeline_model_parallel_layout`` when given, and moves layers for
+    ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split``. The
+    target's layout is written as ``num_virtual_stages_per_pipeline_rank`` (vpp) and the uneven
+    first and last stages (:func:`uneven_args`); the other fields are cleared, so that nothing
+    of the source's layout remains.
+    """
+    vpp = config.vpp if config.vpp > 1 else None
+    return {"virtual_pipeline_model_parallel_size": vpp, "num_virtual_stages_per_pipeline_rank": vpp,
+            "num_layers_per_virtual_pipeline_stage": None, "pipeline_model_parallel_layout": None,
+            "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
+            **uneven_args(config.stage_layers)}
 
 
 def check_vocab(cfg: MegatronConfig, args: Any, tp: int, rows: int | None, where: str) -> None:

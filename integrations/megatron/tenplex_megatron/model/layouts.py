@@ -22,16 +22,17 @@ One table, :func:`param_specs`, lists the model's parameters in Megatron's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.layout import Expert, Layout, Padding, Split, Stage, StageKind
 from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
 
 from tenplex_megatron.model.config import MegatronConfig
 
-__all__ = ["ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
+__all__ = ["check_attention_tp", "check_names", "NAMES", "TE_KEYS_MAP", "ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
            "EXTRA_STATE_LINEARS", "optimizer_path", "rank_keys", "param_order", "spec_of",
            "extra_state_keys", "chunk_keys"]
 
@@ -51,6 +52,31 @@ VALUES = {
 """Value leaves of a Megatron checkpoint (JSON). RNG state is kept per (tp, pp) coordinate.
 ``megatron/extra`` carries other top-level entries that are the same on every rank
 (e.g. Megatron-LM's ``rerun_state_machine``), as they are."""
+
+NAMES = ("local", "te")
+"""Naming schemes: megatron-core's local layer spec (``get_gpt_layer_local_spec``) and
+TransformerEngine's (``get_gpt_layer_with_transformer_engine_spec``, Megatron-LM's default
+``--transformer-impl transformer_engine``)."""
+
+TE_KEYS_MAP = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+               "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+"""A layer's local-spec key prefixes and their TE names: megatron-core's own
+``sharded_state_dict_keys_map`` of the local spec (core_v0.16.1 ``models/gpt/gpt_layer_specs.py``,
+applied by ``TransformerLayer.sharded_state_dict``; the tests compare the two). TE fuses these norms
+into ``TELayerNormColumnParallelLinear``, so a TE model's own state dict uses the TE names too.
+An MoE layer under TE keeps a separate ``pre_mlp_layernorm`` (the TE spec builds it when
+``num_experts``), in both formats; the local spec's map still renames it in ``torch_dist``."""
+
+def check_names(names: str) -> str:
+    """``names`` if it is a naming scheme (:data:`NAMES`).
+
+    Raises:
+        ConfigError: for anything else.
+    """
+    if names not in NAMES:
+        raise ConfigError(f"naming scheme {names!r}: expected one of {', '.join(NAMES)}")
+    return names
+
 
 EXTRA_STATE_LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv",
                        "mlp.linear_fc1", "mlp.linear_fc2")
@@ -79,13 +105,21 @@ class ParamSpec:
     no_weight_decay: bool
     expert: int | None = None
     param: bool = True
+    te: str | None = None
+    te_dist: str | None = None
 
     def keys(self, local_layer: int | None, ep: int) -> list[str]:
-        """Accepted state-dict keys (megatron-core first) at chunk-local layer ``local_layer``."""
+        """Accepted state-dict keys (megatron-core local spec first, TE's last) at chunk-local
+        layer ``local_layer``."""
         fmt = {} if local_layer is None else {"i": local_layer}
         if self.expert is not None:
             fmt["j"] = self.leaf.layout.expert.local_index(ep)
-        return [self.mcore.format(**fmt)] + [k.format(**fmt) for k in self.legacy]
+        return [self.mcore.format(**fmt)] + [k.format(**fmt) for k in self.legacy] \
+            + ([self.te.format(**fmt)] if self.te else [])
+
+    def dist_name(self, names: str = "local") -> str:
+        """The ``torch_dist`` key (stacked form) under naming scheme ``names`` (:data:`NAMES`)."""
+        return self.te_dist if names == "te" and self.te_dist else self.dist
 
 
 def optimizer_path(state: str, path: str) -> str:
@@ -136,18 +170,32 @@ def _spec(mcore, legacy, layer, shape, dtype, layout, no_wd, dist=None) -> Param
                                                      layout.padding)), no_wd)
 
 
-def _norm(cfg, mcore, legacy, layer, layout, dist=None, size=None) -> list[ParamSpec]:
+def _norm(cfg, mcore, legacy, layer, layout, dist=None, size=None, te=False) -> list[ParamSpec]:
+    """A norm's weight (and bias); ``te``: its TE names come from :data:`TE_KEYS_MAP` (fused into the
+    next linear in a dense layer; in an MoE layer only ``input_layernorm`` is)."""
     names = ["weight"] + (["bias"] if cfg.normalization == "LayerNorm" else [])
-    return [_spec(f"{mcore}.{n}", tuple(f"{l}.{n}" for l in legacy), layer, (size or cfg.hidden_size,),
-                  cfg.params_dtype, layout, True,
-                  None if dist is None else f"{dist}_{n}") for n in names]
+    out = []
+    for n in names:
+        spec = _spec(f"{mcore}.{n}", tuple(f"{l}.{n}" for l in legacy), layer, (size or cfg.hidden_size,),
+                     cfg.params_dtype, layout, True, None if dist is None else f"{dist}_{n}")
+        if te:
+            head, _, last = mcore.rpartition(".")
+            fused = TE_KEYS_MAP[last + "."]
+            if last == "pre_mlp_layernorm" and cfg.is_moe_layer(layer):  # a separate module under TE
+                spec = replace(spec, te_dist=spec.mcore.replace(".{i}", ""))
+            else:
+                spec = replace(spec, te=f"{head}.{fused}{n}")
+        out.append(spec)
+    return out
 
 
 def _layer(cfg: MegatronConfig, i: int) -> list[ParamSpec]:
     dt, h, d = cfg.params_dtype, cfg.hidden_size, cfg.kv_channels
     rep = Layout()
-    per_group = (cfg.num_attention_heads // cfg.num_query_groups + 2) * d
-    qkv = Layout(split=Split(0, granularity=per_group, unit="num_query_groups"))
+    # tp may exceed the query groups (megatron-core attention.py: num_query_groups < world_size):
+    # linear_qkv is then cut into tp equal row blocks, which need not hold whole groups; the
+    # rule on tp is :func:`check_attention_tp`'s
+    qkv = Layout(split=Split(0, unit="linear_qkv rows"))
     proj = Layout(split=Split(1, granularity=d, unit="num_attention_heads"))
     F = cfg.ffn_hidden_size
     fc1 = Layout(split=Split(0, parts=(F, F) if cfg.swiglu else None, unit="ffn_hidden_size"))
@@ -155,7 +203,7 @@ def _layer(cfg: MegatronConfig, i: int) -> list[ParamSpec]:
     L = "language_model.encoder.layers.{i}"
     D = "decoder.layers.{i}"
     out = _norm(cfg, f"{D}.input_layernorm", (f"{L}.input_norm", f"{L}.input_layernorm"), i, rep,
-                dist="decoder.layers.self_attention.linear_qkv.layer_norm")
+                dist="decoder.layers.self_attention.linear_qkv.layer_norm", te=True)
     out.append(_spec(f"{D}.self_attention.linear_proj.weight", (f"{L}.self_attention.dense.weight",),
                      i, (h, cfg.num_attention_heads * d), dt, proj, False))
     if cfg.add_bias_linear:
@@ -171,7 +219,7 @@ def _layer(cfg: MegatronConfig, i: int) -> list[ParamSpec]:
             out.extend(_norm(cfg, f"{D}.self_attention.{which}_layernorm", (), i, rep, size=d))
     out.extend(_norm(cfg, f"{D}.pre_mlp_layernorm",
                      (f"{L}.post_attention_norm", f"{L}.post_attention_layernorm"), i, rep,
-                     dist="decoder.layers.mlp.linear_fc1.layer_norm"))
+                     dist="decoder.layers.mlp.linear_fc1.layer_norm", te=True))
     if cfg.is_moe_layer(i):
         return out + _moe(cfg, i)
     rows = 2 * F if cfg.swiglu else F
@@ -220,14 +268,17 @@ def _moe(cfg: MegatronConfig, i: int) -> list[ParamSpec]:
     return out
 
 
-def extra_state_keys(cfg: MegatronConfig, layer: int, ep: int) -> list[str]:
-    """The ``_extra_state`` keys (all ``None``) of global layer ``layer``, chunk-local index ``{i}``.
+def extra_state_keys(cfg: MegatronConfig, layer: int, ep: int, names: str = "local") -> list[str]:
+    """The ``_extra_state`` keys of global layer ``layer``, chunk-local index ``{i}``.
 
     A ``SequentialMLP`` has one per local expert and linear; a grouped-GEMM
-    expert block one per grouped linear (``TEGroupedLinear``).
+    expert block one per grouped linear (``TEGroupedLinear``). Under TE names
+    (``names="te"``) the attention's ``core_attention`` (``TEDotProductAttention``) has one too.
     """
     D = "decoder.layers.{i}"
     keys = [f"{D}.self_attention.linear_proj", f"{D}.self_attention.linear_qkv"]
+    if names == "te":
+        keys.insert(0, f"{D}.self_attention.core_attention")
     if not cfg.is_moe_layer(layer):
         keys += [f"{D}.mlp.linear_fc1", f"{D}.mlp.linear_fc2"]
     else:
@@ -240,6 +291,20 @@ def extra_state_keys(cfg: MegatronConfig, layer: int, ep: int) -> list[str]:
         if cfg.moe_shared_expert_intermediate_size:
             keys += [f"{D}.mlp.shared_experts.{n}" for n in linears]
     return [k + "._extra_state" for k in keys]
+
+
+def check_attention_tp(cfg: MegatronConfig, tp: int) -> None:
+    """megatron-core's rule for tp over attention (core_v0.16.1 ``transformer/attention.py``,
+    ``Attention.__init__``): tp divides the heads, and either divides the query groups or is a
+    multiple of them (then each group's key/value heads are used by ``tp / groups`` ranks).
+
+    Raises:
+        ConfigError: naming the heads, the groups and tp.
+    """
+    heads, groups = cfg.num_attention_heads, cfg.num_query_groups
+    if heads % tp or (groups % tp and tp % groups):
+        raise ConfigError(f"tp={tp} does not divide num_query_groups={groups}, nor is a multiple of it "
+                          f"that divides num_attention_heads={heads} (megatron-core attention.py)")
 
 
 def megatron_tree(cfg: MegatronConfig, optimizer: bool = False) -> PTree:

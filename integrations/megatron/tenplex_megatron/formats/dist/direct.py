@@ -32,15 +32,19 @@ from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.formats.dist.source import DistSource, chunk_path, open_dist
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.formats.dist.write import commit_dir, temp_dir
-from tenplex_megatron.model.layouts import OPTIMIZER_STATES, param_specs
+from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_attention_tp, param_specs
 
 __all__ = ["reshard_dist"]
 
 _COPY = 64 << 20
 
 
-def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | None = None) -> dict | None:
+def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | None = None,
+                 iteration: int | str | None = None, names: str | None = None) -> dict | None:
     """Reshard a ``torch_dist`` directory to ``to`` directly, or return None if it needs the planner.
+
+    ``src`` is read as :func:`tenplex_megatron.formats.folders.locate` finds it; ``dst`` is
+    written as a ``--save`` root (the iteration folder, then the tracker).
 
     Returns:
         ``{"src", "bytes_read", "bytes_written", "files", "padding", "notes", "direct": True}``.
@@ -50,15 +54,16 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
         AlreadyExistsError: ``dst`` exists.
         ManifestError: a bad source (see :func:`tenplex_megatron.formats.dist.source.open_dist`).
     """
-    source = open_dist(src, model_config)
-    if source.optim == "dp_reshardable":
-        return None
+    source = open_dist(src, model_config, iteration)
+    if source.optim == "dp_reshardable" or names not in (None, source.meta["megatron"].get("names")):
+        return None  # buffers follow the layout, or keys are renamed: through the planner
     cfg = source.desc.cfg
     source.tree.validate(to)
-    vocab = _vocab_keys(cfg)
+    check_attention_tp(cfg, to.tp)
+    vocab = {k: p for k, p in _vocab_keys(cfg).items() if k in source.md.state_dict_metadata}  # stored ones only
     old, new = cfg.padded_vocab(source.config.tp), cfg.padded_vocab(to.tp)
     values = _target_values(source, to)
-    tmp = temp_dir(dst)
+    tmp = temp_dir(dst, values.iteration)
     try:
         writer = DcpWriter(tmp)
         by_file: dict[str, list] = {}
@@ -77,11 +82,12 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
                 for t in range(to.tp):
                     writer.object(rng_key(t, p, to.tp, to.pp), [states[f"tp={t},pp={p}"]])
         writer.finish()
-        commit_dir(tmp, dst, _common(source, values))
+        commit_dir(tmp, dst, _common(source, values), values.iteration)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    padding = [PaddingChange(path, 0, cfg.vocab_size, old, new) for path in vocab.values()] if old != new else []
+    padding = [PaddingChange(path, 0, cfg.vocab_size, old, new) for path in sorted(set(vocab.values()))] \
+        if old != new else []
     return {"src": str(source.config), "bytes_read": source.bytes_read, "bytes_written": writer.bytes_written,
             "files": len(by_file), "padding": padding, "notes": values.notes, "direct": True}
 

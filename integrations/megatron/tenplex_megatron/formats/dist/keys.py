@@ -24,11 +24,12 @@ from functools import lru_cache
 from tenplex.errors import TenplexError
 from tenplex.ptree.sharding import Sharding
 
+from tenplex_megatron.formats.folders import locate
 from tenplex_megatron.model.config import MegatronConfig
-from tenplex_megatron.model.layouts import OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
+from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
 from tenplex_megatron.torchfiles.safe_load import open_regular
 
-__all__ = ["is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+__all__ = ["dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
            "known_extra_state", "dist_key"]
 
@@ -41,14 +42,27 @@ RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
 
 
-def is_dist(root: str) -> bool:
-    """Whether ``root`` is a ``torch_dist`` directory (its ``metadata.json`` says so)."""
+def is_dist(path: str) -> bool:
+    """Whether ``path`` (a ``--save`` root, an iteration folder or a bare folder) holds a ``torch_dist``
+    checkpoint: its folder's ``metadata.json`` says ``sharded_backend: torch_dist``
+    (:func:`tenplex_megatron.formats.folders.locate`)."""
     try:
+        root = locate(path).dir
         f, _ = open_regular(os.path.join(root, "metadata.json"), "metadata.json")
         with f:
             return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError, AttributeError, TenplexError):
         return False
+
+
+def dist_names(cfg: MegatronConfig, keys) -> str:
+    """The naming scheme (:data:`~tenplex_megatron.model.layouts.NAMES`) of a ``torch_dist``
+    checkpoint's ``keys``: ``"te"`` when an MoE layer's norm is TE's separate ``pre_mlp_layernorm``
+    (the only key that differs; dense layers use TE names under both specs), else ``"local"``."""
+    te = {spec.te_dist for spec in param_specs(cfg) if spec.te_dist}
+    found = {k.split("/")[0] for k in keys}
+    per_layer = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in found}
+    return "te" if te & (found | per_layer) else "local"
 
 
 def flat_key(m: int, bucket: int, state: str, dtypes, gbuf: int = 0) -> str:
@@ -67,7 +81,8 @@ def rng_key(tp_rank: int, pp_rank: int, tp: int, pp: int) -> str:
     return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
 
 
-def dist_key(cfg: MegatronConfig, spec: ParamSpec) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+def dist_key(cfg: MegatronConfig, spec: ParamSpec, names: str = "local"
+             ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """The DCP key of ``spec``'s tensor, its leading coordinates in it and their sizes.
 
     A layer's tensor is stacked on a leading layer axis (``decoder.layers.mlp.linear_fc1.weight``,
@@ -77,7 +92,7 @@ def dist_key(cfg: MegatronConfig, spec: ParamSpec) -> tuple[str, tuple[int, ...]
     expert axis (coordinate ``expert`` of ``num_moe_experts``), as megatron-core's
     ``SequentialMLP.sharded_state_dict`` prepends it.
     """
-    key, lead, sizes = spec.dist, (), ()
+    key, lead, sizes = spec.dist_name(names), (), ()
     if spec.layer is not None:
         if cfg.dist_per_layer:
             key = f"decoder.layers.{spec.layer}.{key.removeprefix('decoder.layers.')}"
@@ -88,7 +103,7 @@ def dist_key(cfg: MegatronConfig, spec: ParamSpec) -> tuple[str, tuple[int, ...]
     return key, lead, sizes
 
 
-def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
+def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None, names: str = "local"
                      ) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
     """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
 
@@ -111,7 +126,7 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
     for spec in param_specs(cfg):
         if spec.expert not in (None, 0) or (spec.layer not in (None, 0) and not cfg.dist_per_layer):
             continue
-        key, _, lead_sizes = dist_key(cfg, spec)
+        key, _, lead_sizes = dist_key(cfg, spec, names)
         shape = lead_sizes + sharding.physical_shape(spec.leaf)
         for prefix, state in prefixes if spec.param else prefixes[:1]:
             dtype = spec.leaf.dtype if state is None else "float32"
@@ -119,10 +134,10 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None
     return out
 
 
-def _layer_extra_modules(cfg: MegatronConfig, layer: int) -> dict[str, bool]:
+def _layer_extra_modules(cfg: MegatronConfig, layer: int, names: str = "local") -> dict[str, bool]:
     """``{module (stacked-key form): stacked over experts}`` of global layer ``layer``'s extra states."""
     out = {}
-    for key in extra_state_keys(cfg, layer, 1):
+    for key in extra_state_keys(cfg, layer, 1, names):
         module = key.removesuffix("._extra_state").replace(".{i}", "")
         if ".local_experts." in module:
             out[re.sub(r"local_experts\.\d+\.", "experts.", module)] = True
@@ -133,7 +148,7 @@ def _layer_extra_modules(cfg: MegatronConfig, layer: int) -> dict[str, bool]:
     return out
 
 
-def extra_state_objects(cfg: MegatronConfig, layer: int) -> list[str]:
+def extra_state_objects(cfg: MegatronConfig, layer: int, names: str = "local") -> list[str]:
     """The DCP keys of global layer ``layer``'s ``_extra_state`` objects (megatron-core ``ShardedObject`` s).
 
     Stacked layers: ``<module>._extra_state/shard_<layer>_<L>``, an expert's
@@ -142,7 +157,7 @@ def extra_state_objects(cfg: MegatronConfig, layer: int) -> list[str]:
     an expert's ``shard_<expert>_<E>`` (run with megatron-core 0.16.1, NOTES section 8).
     """
     L, E, out = cfg.num_layers, cfg.num_moe_experts, []
-    for module, stacked in _layer_extra_modules(cfg, layer).items():
+    for module, stacked in _layer_extra_modules(cfg, layer, names).items():
         if cfg.dist_per_layer:
             module = f"decoder.layers.{layer}.{module.removeprefix('decoder.layers.')}"
             shards = [f"{g}_{E}" for g in range(E)] if stacked else ["0_1"]
@@ -154,7 +169,9 @@ def extra_state_objects(cfg: MegatronConfig, layer: int) -> list[str]:
 
 @lru_cache(maxsize=8)
 def _all_extra_objects(cfg: MegatronConfig) -> frozenset:
-    return frozenset(k for layer in range(cfg.num_layers) for k in extra_state_objects(cfg, layer))
+    """Every extra-state object of either naming scheme (TE adds ``core_attention``'s)."""
+    return frozenset(k for layer in range(cfg.num_layers) for names in NAMES
+                     for k in extra_state_objects(cfg, layer, names))
 
 
 def known_extra_state(cfg: MegatronConfig, key: str) -> bool:

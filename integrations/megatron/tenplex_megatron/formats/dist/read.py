@@ -29,11 +29,12 @@ from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.dist.buffers import chained, expected_flat
-from tenplex_megatron.formats.dist.keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
+from tenplex_megatron.formats.dist.keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify, dist_names,
                                        expected_tensors, is_dist, known_extra_state, object_key)
 from tenplex_megatron.dcp.records import BytesStorageMetadata, TensorStorageMetadata
 from tenplex_megatron.dcp.safe import read_checked, read_objects
 from tenplex_megatron.formats.description import Description
+from tenplex_megatron.formats.folders import locate
 from tenplex_megatron.model.flatbuf import FLAT_DTYPE, buffer_layout
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import megatron_tree
@@ -165,9 +166,9 @@ def _buffer_grid(cfg, md, where) -> tuple[int, int]:
     return matches[0]
 
 
-def _check_keys(cfg, sharding, md, optim, dtypes, where) -> tuple[str, str] | None:
+def _check_keys(cfg, sharding, md, optim, dtypes, where, names: str = "local") -> tuple[str, str] | None:
     """Every DCP key is known and holds what the model config says; returns the buffer dtypes."""
-    expected = expected_tensors(cfg, sharding, optim)
+    expected = expected_tensors(cfg, sharding, optim, names)
     config = sharding.config
     found_flat: set = set()
     for key, item in md.state_dict_metadata.items():
@@ -272,8 +273,15 @@ class FoundDist(NamedTuple):
     refs: dict
 
 
-def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
+def describe_dist(path: str, model_config: dict | None = None, iteration: int | str | None = None
+                  ) -> FoundDist:
     """Describe a ``torch_dist`` directory from ``.metadata`` and ``common.pt`` (no tensor is read).
+
+    Args:
+        path: a ``--save`` root, an iteration folder, or a bare ``dist_checkpointing`` folder
+            (:func:`tenplex_megatron.formats.folders.locate`).
+        model_config: model config fields, whole or overriding the args.
+        iteration: the iteration to read under a root (default: the tracker's).
 
     Raises:
         ManifestError: not a ``torch_dist`` directory, an unsafe pickle, an
@@ -281,6 +289,8 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         ConfigError: no model config can be found, or the stored vocabulary
             rows do not fit it.
     """
+    found = locate(path, iteration)
+    root = found.dir
     if not is_dist(root):
         raise ManifestError(f"{root}: no metadata.json with sharded_backend 'torch_dist'")
     common = read_common(root)
@@ -298,7 +308,12 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
     check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
-    dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root)
+    names = dist_names(cfg, md.state_dict_metadata)
+    if names == "te" and optim == "dp_reshardable":
+        raise ManifestError(f"{root}: dp_reshardable optimizer buffers of a TransformerEngine model: their "
+                            "order follows TE's modules, which tenplex does not model; save the optimizer "
+                            "fully_reshardable")
+    dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root, names)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
@@ -316,7 +331,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         groups, expert_groups = _dp_groups(cfg, config, root, md)
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
     values = {
-        "megatron/iteration": common.get("iteration", 0),
+        "megatron/iteration": common.get("iteration", found.iteration if found.iteration is not None else 0),
         "megatron/checkpoint_version": common.get("checkpoint_version"),
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(common.get("opt_param_scheduler"), "opt_param_scheduler"),
@@ -329,7 +344,7 @@ def describe_dist(root: str, model_config: dict | None = None) -> FoundDist:
         "megatron/extra": extra or None,
     }
     check_scalars(values, SCALARS, os.path.join(root, "common.pt"))  # issue 20: no walk over a hostile value
-    meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim,
+    meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim, "names": names,
                          "buffer_dtypes": list(dtypes) if dtypes else None,
                          "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
     return FoundDist(Description(cfg, config, tree, values, meta), md, nbytes, refs)

@@ -35,7 +35,7 @@ from tenplex_megatron.dcp.safe import read_objects
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import spec_of
 from tenplex_megatron.torchfiles.ptfile import TensorRef, read_runs
-from tenplex_megatron.formats.source import MegatronSource
+from tenplex_megatron.formats.source import MegatronSource, empty_extra_state, extra_state_note
 from tenplex_megatron.model.tied import check_tied
 
 __all__ = ["DistSource", "open_dist", "chunk_path"]
@@ -80,7 +80,7 @@ class DistSource(MegatronSource):
         else:
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)
-        key, lead, _ = dist_key(self.desc.cfg, spec)  # (layer of a stacked key, global expert)
+        key, lead, _ = dist_key(self.desc.cfg, spec, self.meta["megatron"].get("names", "local"))
         return DcpRecord(prefix + key, lead, held.pieces, held.shape, dtype)
 
     def _flat_record(self, spec, state, coord, dtype) -> DcpRecord:
@@ -179,10 +179,15 @@ class DistSource(MegatronSource):
         Raises:
             ManifestError: naming the object and what it holds.
         """
+        dropped = []
         for key, obj in read_objects(self.root, self.md, "decoder.layers.").items():
-            if EXTRA_KEY.match(key) and obj not in ([None], None):
-                raise ManifestError(f"{self.root}: {key} holds {type(obj).__name__} state (e.g. FP8 "
-                                    "metadata); tenplex carries only empty extra state")
+            if EXTRA_KEY.match(key) and not empty_extra_state(obj):
+                if not isinstance(obj, list) or not all(isinstance(o, torch.Tensor) for o in obj):
+                    raise ManifestError(f"{self.root}: {key} holds {type(obj).__name__}; expected a "
+                                        "TransformerEngine extra state (a uint8 tensor) or None")
+                dropped.append(key)
+        if dropped:
+            self.desc.notes.append(extra_state_note(len(dropped), dropped[0]))
         if self.optim != "dp_reshardable":
             return
         cfg, config = self.desc.cfg, self.config
@@ -253,7 +258,7 @@ def _read_box(ref: TensorRef, box: Box, sizes: tuple[int, ...]) -> tuple[torch.T
     return torch.as_strided(flat, box.sizes, strides), n
 
 
-def open_dist(root: str, model_config: dict | None = None) -> DistSource:
+def open_dist(root: str, model_config: dict | None = None, iteration: int | str | None = None) -> DistSource:
     """A :class:`DistSource` over ``root``, its objects and tied copies checked.
 
     Raises:
@@ -261,7 +266,7 @@ def open_dist(root: str, model_config: dict | None = None) -> DistSource:
             non-empty extra state, a bucket layout tenplex does not write, or
             tied copies that differ.
     """
-    source = DistSource(describe_dist(root, model_config))
+    source = DistSource(describe_dist(root, model_config, iteration))
     source.check_objects()
     check_tied(source)
     return source

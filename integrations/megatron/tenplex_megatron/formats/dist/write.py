@@ -30,12 +30,13 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import piece_view
 
 from tenplex_megatron.formats.common import TargetValues
+from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
 from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rng_key
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
-from tenplex_megatron.model.layouts import OPTIMIZER_STATES, spec_of
+from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of
 from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
 
 __all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir"]
@@ -44,27 +45,38 @@ METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
 
 
-def temp_dir(path: str) -> str:
-    """A fresh temporary directory beside ``path``.
+def temp_dir(root: str, iteration) -> str:
+    """A fresh temporary folder inside the ``--save`` root ``root`` for iteration ``iteration``'s folder.
 
     Raises:
-        AlreadyExistsError: ``path`` exists.
+        AlreadyExistsError: the iteration folder exists, or ``root`` is a checkpoint folder itself.
     """
-    if os.path.exists(path):
-        raise AlreadyExistsError(f"{path} exists; tenplex never overwrites a checkpoint in place")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+    final = os.path.join(root, iteration_dir_name(iteration))
+    if os.path.lexists(final):
+        raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
+    if os.path.lexists(root) and (not os.path.isdir(root) or os.path.lexists(os.path.join(root, "metadata.json"))):
+        raise AlreadyExistsError(f"{root} exists and is not a Megatron-LM --save folder; tenplex never "
+                                 "overwrites a checkpoint in place")
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".{iteration_dir_name(iteration)}.tmp-{uuid.uuid4().hex}")
     os.makedirs(tmp)
     return tmp
 
 
-def commit_dir(tmp: str, path: str, common: dict) -> None:
-    """Write ``common.pt`` and ``metadata.json`` into ``tmp``, then rename it to ``path``."""
+def commit_dir(tmp: str, root: str, common: dict, iteration) -> str:
+    """Write ``common.pt`` and ``metadata.json`` into ``tmp``, rename it to ``root``'s iteration
+    folder, then write the tracker (Megatron-LM's ``--save`` layout); returns the iteration folder.
+
+    ``common.pt`` with ``common_backend: torch`` is what megatron-core 0.16 to 0.19 all load
+    (0.19 writes its common state into a ``.distcp`` item instead, and still reads ``common.pt``).
+    """
     torch.save(common, os.path.join(tmp, "common.pt"))
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
         json.dump(METADATA_JSON, f)
-    os.rename(tmp, path)
+    final = os.path.join(root, iteration_dir_name(iteration))
+    os.rename(tmp, final)
+    write_tracker(root, iteration)
+    return final
 
 
 def common_state(values: TargetValues, optim: str | None, content: dict | None = None) -> dict:
@@ -110,25 +122,34 @@ def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
 
 
-def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None) -> dict:
-    """Write ``source`` laid out for ``to`` as a ``torch_dist`` directory at ``path``, atomically.
+def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None,
+               names: str | None = None) -> dict:
+    """Write ``source`` laid out for ``to`` as a ``torch_dist`` checkpoint under the ``--save`` root ``path``.
+
+    The iteration folder ``path/iter_NNNNNNN`` is written under a temporary name and renamed
+    into place; the tracker ``latest_checkpointed_iteration.txt`` is written last, so
+    Megatron-LM's ``--load path`` resumes at the source's iteration.
 
     Args:
         source: a shard source of a Megatron model.
-        path: the directory to create; it must not exist.
+        path: the ``--save`` root; its iteration folder must not exist.
         to: the target config (its dp sizes nothing on disk: tensors are global).
         threads: leaves built at once.
         progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
+        names: the naming scheme (``"local"`` or ``"te"``: an MoE layer's norm is
+            ``pre_mlp_layernorm`` and attention has a ``core_attention`` extra state under TE);
+            default: the source's.
 
     Returns:
         ``{"bytes_written", "files", "padding", "notes"}``.
 
     Raises:
-        AlreadyExistsError: ``path`` exists.
+        AlreadyExistsError: the iteration folder exists, or ``path`` is a checkpoint folder.
         ConfigError: ``to`` cannot hold the model.
         ManifestError: the source is not a Megatron model, or a bad source.
     """
     cfg, meta = megatron_meta(source)
+    names = check_names(names or meta.get("names") or "local")
     has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
     optim = None if not has_optim else meta.get("optimizer") if meta.get("optimizer") in (
         "dp_reshardable", "adam") else "fully_reshardable"
@@ -137,11 +158,15 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                           "torch_dist state only for fp32 params (no fp32_from_fp16_params); write legacy")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
+        values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
+        if names == "te" and optim == "dp_reshardable":
+            raise ConfigError("dp_reshardable optimizer buffers with TransformerEngine names: their order "
+                              "follows TE's modules, which tenplex does not model; use local names")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
             values.notes.append("rng: the source stores no RNG state; none is written")
-        tmp = temp_dir(path)
+        tmp = temp_dir(path, values.iteration)
         try:
             writer, files = DcpWriter(tmp), 0
             for rank in range(to.world_size):
@@ -151,15 +176,15 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                     continue  # holds replicas only: megatron-core writes replica_id 0
                 writer.open(f"__{rank}_0.distcp")
                 files += 1
-                _write_tensors(build, cfg, writer, rank, optim)
+                _write_tensors(build, cfg, writer, rank, optim, names)
                 if optim == "dp_reshardable":
                     _write_buffers(build, cfg, writer, c, rank, dtypes, values)
                 if dense and c.tp == 0 and c.ep == 0:
-                    _write_extra_states(cfg, to, writer, c.pp)
+                    _write_extra_states(cfg, to, writer, c.pp, names)
                 if dense and rng_states:
                     writer.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
             writer.finish()
-            commit_dir(tmp, path, common_state(values, optim, meta.get("content_metadata")))
+            commit_dir(tmp, path, common_state(values, optim, meta.get("content_metadata")), values.iteration)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -167,16 +192,16 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                 "padding": list(build.plan.padding), "notes": values.notes}
 
 
-def _dcp_key(cfg: MegatronConfig, path: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+def _dcp_key(cfg: MegatronConfig, path: str, names: str = "local") -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """DCP key of tree path ``path``, its leading coordinates (layer, then global expert) and their sizes."""
     spec = spec_of(cfg, path if path.startswith("model/") else "model/" + path.split("/", 2)[2])
-    key, lead, sizes = dist_key(cfg, spec)
+    key, lead, sizes = dist_key(cfg, spec, names)
     if not path.startswith("model/"):
         key = f"optimizer.state.{path.split('/')[1]}.{key}"
     return key, lead, sizes
 
 
-def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
+def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim, names: str = "local") -> None:
     sharding = build.runner.D
     # a non-distributed optimizer's main params are the fp32 model params: only its moments are stored
     prefixes = {"fully_reshardable": ("model/", "optimizer/"),
@@ -185,7 +210,7 @@ def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim) -> None:
              and any(c.ranks[0] == rank for c in sharding.classes(q))]
     coord = build.to.coord(rank)
     for path, local in build.stream(rank, paths):
-        key, lead, lead_sizes = _dcp_key(cfg, path)
+        key, lead, lead_sizes = _dcp_key(cfg, path, names)
         size = sharding.physical_shape(build.tree[path])
         held = sharding.holding(path, coord)
         for piece in held.pieces:
@@ -222,9 +247,9 @@ def _write_buffers(build, cfg, writer, c, rank, dtypes, values) -> None:
             writer.object(buf.object(name), [data])
 
 
-def _write_extra_states(cfg, to, writer, p) -> None:
+def _write_extra_states(cfg, to, writer, p, names: str = "local") -> None:
     """Stage ``p``'s ``_extra_state`` objects (all None), expert ones per (layer, global expert)."""
     for v in range(to.vpp):
         for layer in to.chunk_layers(p, v, cfg.num_layers):
-            for key in extra_state_objects(cfg, layer):
+            for key in extra_state_objects(cfg, layer, names):
                 writer.object(key, [None])

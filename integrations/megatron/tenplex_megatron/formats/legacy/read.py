@@ -25,54 +25,47 @@ parameter's name, and a missing moment is an error.
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from tenplex.errors import ConfigError, ManifestError
+from tenplex.errors import ConfigError, ManifestError, TenplexError
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.description import Description
+from tenplex_megatron.formats.folders import TRACKER, iteration_dir_name, locate
 from tenplex_megatron.model.flatbuf import distrib_optim_refs
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
-                                      rank_keys)  # rank_keys: re-exported
+                                      param_specs, rank_keys)  # rank_keys: re-exported
 from tenplex_megatron.formats.legacy.grid import legacy_grid, legacy_writers, rank_dir_name, rank_dirs
 from tenplex_megatron.model.limits import SCALARS, check_args, check_scalars
 from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs
-from tenplex_megatron.torchfiles.safe_load import open_regular
-from tenplex_megatron.formats.source import MegatronSource
+from tenplex_megatron.formats.source import MegatronSource, empty_extra_state, extra_state_note
 from tenplex_megatron.model.tied import check_tied
 
 __all__ = ["TRACKER", "is_legacy", "describe_legacy", "open_legacy", "LegacySource", "rank_dir_name",
            "iteration_dir_name", "rank_keys"]
 
-TRACKER = "latest_checkpointed_iteration.txt"
+_RANK_PREFIX = re.compile(r"mp_rank_\d{2}")
 _KNOWN = {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
           "rng_state", "num_floating_point_operations_so_far"}
 
 
-def is_legacy(root: str) -> bool:
-    return os.path.isfile(os.path.join(root, TRACKER))
+def is_legacy(path: str) -> bool:
+    """Whether ``path`` (a ``--save`` root or an iteration folder) holds ``mp_rank_*`` folders."""
+    try:
+        d = locate(path).dir
+        return any(_RANK_PREFIX.match(n) for n in os.listdir(d))
+    except (OSError, TenplexError):
+        return False
 
 
-def iteration_dir_name(iteration) -> str:
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-
-
-def _iteration_dir(root: str) -> tuple[str, int | str]:
-    path = os.path.join(root, TRACKER)
-    if not os.path.lexists(path):
-        raise ManifestError(f"{root}: no {TRACKER}; not a Megatron-LM checkpoint")
-    f, _ = open_regular(path, path)
-    with f:
-        text = f.read(64).decode("utf-8", "replace").strip()
-    if text == "release":
-        return os.path.join(root, "release"), "release"
-    if not text.isdigit() or len(text) > 12:
-        raise ManifestError(f"{root}/{TRACKER}: expected an iteration number, found {text[:20]!r}")
-    return os.path.join(root, iteration_dir_name(int(text))), int(text)
+def _iteration_dir(root: str, iteration=None) -> tuple[str, int | str | None]:
+    found = locate(root, iteration)
+    return found.dir, found.iteration
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -96,7 +89,7 @@ def _check_ref(ref: Any, shape, dtype, what: str) -> TensorRef:
 
 
 def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, schemes: set,
-                writer) -> dict:
+                writer, names: set, dropped: list) -> dict:
     """Refs of chunk ``v``'s tensors in a rank file of (tp ``t``, pp ``p``, ep ``e``).
 
     Dense tensors are taken from the files of dense dp x cp rank 0 (ep rank
@@ -104,14 +97,21 @@ def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, sche
     only); expert ``j`` of ep rank ``e`` is global expert ``e * E / ep + j``,
     split at the writer's expert-tp rank (keyed by it). ``schemes`` collects
     the expert naming schemes seen (``"sequential"`` or ``"grouped"``);
-    ``writer`` is the ``Coord`` of the rank that wrote the file.
+    ``writer`` is the ``Coord`` of the rank that wrote the file; ``names`` collects the norms'
+    naming schemes seen (``"local"`` or ``"te"``, :data:`~tenplex_megatron.model.layouts.NAMES`),
+    ``dropped`` the non-empty (FP8) extra states.
     """
     dense = writer.dense_dp_first
     out, used = {}, set()
-    for path, keys in chunk_keys(cfg, config, p, v, e).items():
+    keyed = chunk_keys(cfg, config, p, v, e)
+    te_names = {s.path: keyed[s.path][-1] for s in param_specs(cfg) if s.te and s.path in keyed}
+    for path, keys in keyed.items():
         key = next((k for k in keys if k in model), None)
         if key is None:
             raise ManifestError(f"{where}: key {keys[0]} (leaf {path}) is missing")
+        te = te_names.get(path)
+        if te is not None:
+            names.add("te" if key == te else "local")
         leaf = sharding.tree[path]
         split = t
         if leaf.layout.expert is not None:
@@ -127,9 +127,11 @@ def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, sche
         if key in used:
             continue
         if key.endswith("_extra_state"):
-            if value is not None:
-                raise ManifestError(f"{where}: {key} holds {type(value).__name__} state (e.g. FP8 "
-                                    "metadata); tenplex carries only empty extra state")
+            if not empty_extra_state(value):
+                if not isinstance(value, TensorRef):
+                    raise ManifestError(f"{where}: {key} holds {type(value).__name__}; expected a "
+                                        "TransformerEngine extra state (a uint8 tensor) or None")
+                dropped.append(f"{where}: {key}")
             continue
         raise ManifestError(f"{where}: unexpected key {key}; tenplex keeps every tensor of a "
                             "checkpoint, and this one is not part of the model config")
@@ -313,13 +315,16 @@ class Found(NamedTuple):
     bytes_read: int
 
 
-def describe_legacy(root: str, model_config: dict | None = None, threads: int = 8) -> Found:
+def describe_legacy(root: str, model_config: dict | None = None, threads: int = 8,
+                    iteration: int | str | None = None) -> Found:
     """Describe a Megatron-LM per-rank checkpoint from its files' pickles (no tensor is read).
 
     Args:
-        root: the checkpoint root (holding ``latest_checkpointed_iteration.txt``).
+        root: the ``--save`` root (holding ``latest_checkpointed_iteration.txt``), or an
+            iteration folder (:func:`tenplex_megatron.formats.folders.locate`).
         model_config: model config fields, whole or overriding the files' ``args``.
         threads: files opened at once.
+        iteration: the iteration to read under a root (default: the tracker's).
 
     Returns:
         A :class:`Found`.
@@ -330,7 +335,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             mis-shaped key, or a missing Adam moment.
         ConfigError: the args and the directory grid disagree.
     """
-    iter_dir, iteration = _iteration_dir(root)
+    iter_dir, iteration = _iteration_dir(root, iteration)
     dirs = rank_dirs(iter_dir)
     model_files = {k: os.path.join(d, "model_optim_rng.pt") for k, d in dirs.items()}
     distrib = {k: os.path.join(d, "distrib_optim.pt") for k, d in dirs.items()
@@ -360,6 +365,8 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     writers = {k: config.coord(r) for k, r in legacy_writers(config).items()}  # who wrote each file
     refs: dict = {}
     schemes: set = set()
+    names: set = set()
+    dropped: list = []
     buffer_dtypes = None
     for (t, p, e), state in sorted(files.items()):
         where = model_files[next(k for k, d in dirs.items() if d == mapped[(t, p, e)])]
@@ -368,7 +375,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
             if not isinstance(state.get(key), dict):
                 raise ManifestError(f"{where}: no {key} state dict")
             model.update(_model_refs(cfg, config, sharding, t, p, e, v, _flatten(dict(state[key])),
-                                     f"{where} [{key}]", schemes, writers[(t, p, e)]))
+                                     f"{where} [{key}]", schemes, writers[(t, p, e)], names, dropped))
         if len(schemes) > 1:
             raise ManifestError(f"{where}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                                 "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
@@ -390,10 +397,18 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if len(schemes) > 1:
         raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                             "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
+    if len(names) > 1:
+        raise ManifestError(f"{iter_dir}: norm keys mix megatron-core's local names (input_layernorm) and "
+                            "TransformerEngine's (self_attention.linear_qkv.layer_norm_weight)")
+    if names == {"te"} and kind is not None:
+        raise ManifestError(f"{iter_dir}: optimizer state of a TransformerEngine model (--transformer-impl "
+                            "transformer_engine): its parameter order follows TE's modules, which tenplex "
+                            "does not model yet; save with --ckpt-format torch_dist (fully_reshardable), "
+                            "or reshard the model alone (--no-save-optim)")
     files = {k[:2]: s for k, s in files.items() if writers[k].dense_dp_first}
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
-        "megatron/iteration": iteration,
+        "megatron/iteration": iteration if iteration is not None else first.get("iteration", 0),
         "megatron/checkpoint_version": first.get("checkpoint_version"),
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(first.get("opt_param_scheduler"), "opt_param_scheduler"),
@@ -407,8 +422,10 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
                          "buffer_dtypes": buffer_dtypes}}
     if schemes:
         meta["megatron"]["expert_names"] = schemes.pop()
+    meta["megatron"]["names"] = names.pop() if names else "local"
     steps = _steps(first["optimizer"]) if kind == "adam" else []
-    return Found(Description(cfg, config, tree, values, meta), refs, rng_refs, steps, nbytes)
+    notes = [extra_state_note(len(dropped), dropped[0])] if dropped else []
+    return Found(Description(cfg, config, tree, values, meta, notes), refs, rng_refs, steps, nbytes)
 
 
 class LegacySource(MegatronSource):
@@ -451,13 +468,14 @@ class LegacySource(MegatronSource):
         return obj
 
 
-def open_legacy(root: str, model_config: dict | None = None, threads: int = 8) -> LegacySource:
+def open_legacy(root: str, model_config: dict | None = None, threads: int = 8,
+                iteration: int | str | None = None) -> LegacySource:
     """A :class:`LegacySource` over the checkpoint at ``root``; tied embedding copies compared first.
 
     Raises:
         ManifestError, ConfigError: see :func:`describe_legacy`; also when the
             first and last stages' copies of a tied embedding differ.
     """
-    source = LegacySource(describe_legacy(root, model_config, threads))
+    source = LegacySource(describe_legacy(root, model_config, threads, iteration))
     check_tied(source)
     return source

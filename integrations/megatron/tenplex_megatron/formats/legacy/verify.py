@@ -19,7 +19,8 @@ __all__ = ["verify_legacy"]
 
 
 def verify_legacy(root: str, model_config: dict | None = None, *, checksums: bool = False,
-                  threads: int = 8, progress: Progress | None = None) -> dict:
+                  threads: int = 8, progress: Progress | None = None,
+                  iteration: int | str | None = None) -> dict:
     """Verify a Megatron-LM per-rank checkpoint on disk.
 
     Returns:
@@ -31,7 +32,7 @@ def verify_legacy(root: str, model_config: dict | None = None, *, checksums: boo
             not fit the model (see :func:`tenplex_megatron.formats.legacy.read.describe_legacy`).
         CorruptShardError: a record whose CRC-32 fails, or a truncated file.
     """
-    source = LegacySource(describe_legacy(root, model_config, threads))
+    source = LegacySource(describe_legacy(root, model_config, threads, iteration))
     files = sorted({ref.file for ref in source.refs.values()})
     jobs = [((lambda f=f: archive_crc(f)), os.path.getsize(f)) for f in files]
     nbytes = run_jobs(jobs, threads, progress)

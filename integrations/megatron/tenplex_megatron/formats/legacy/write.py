@@ -29,8 +29,9 @@ from tenplex_megatron.formats.common import TargetValues
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.flatbuf import (FLAT_DTYPE, buffer_dtypes, distrib_optim_state, flat_buffers,
                                       flat_numel)
-from tenplex_megatron.model.layouts import OPTIMIZER_STATES, chunk_keys, extra_state_keys, optimizer_path, param_order
-from tenplex_megatron.formats.legacy.read import TRACKER, iteration_dir_name
+from tenplex_megatron.model.layouts import (OPTIMIZER_STATES, check_names, chunk_keys, extra_state_keys,
+                                            optimizer_path, param_order, param_specs)
+from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.formats.legacy.grid import check_expert_files, legacy_writers, rank_dir_name
 from tenplex_megatron.torchfiles.ptsave import save_streamed
 from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
@@ -65,7 +66,7 @@ def _experts(cfg: MegatronConfig, to: ParallelConfig) -> bool:
 
 
 def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progress=None,
-                 expert_names: str | None = None) -> dict:
+                 expert_names: str | None = None, names: str | None = None) -> dict:
     """Write ``source`` laid out for ``to`` as a Megatron-LM per-rank checkpoint at ``root``.
 
     Args:
@@ -77,6 +78,9 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         progress: ``progress(done_bytes, total_bytes)`` as target tensors are built.
         expert_names: ``"sequential"`` (``local_experts.{j}.linear_fc1.weight``) or
             ``"grouped"`` (``linear_fc1.weight{j}``); default: the source's scheme.
+        names: the norms' naming scheme, ``"local"`` (``input_layernorm.weight``) or ``"te"``
+            (``self_attention.linear_qkv.layer_norm_weight``, TE's extra states);
+            default: the source's (:data:`~tenplex_megatron.model.layouts.NAMES`).
 
     Returns:
         ``{"bytes_written", "files", "padding", "notes"}``.
@@ -89,6 +93,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         ManifestError: the source is not a Megatron model, or a bad source.
     """
     cfg, meta = megatron_meta(source)
+    scheme = names
     if cfg.num_moe_experts:
         check_expert_files(to, root)
     names = expert_names or meta.get("expert_names") or "sequential"
@@ -96,10 +101,16 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         raise ConfigError(f"expert_names={names!r}: expected 'sequential' or 'grouped'")
     if names != "sequential":
         cfg = type(cfg).from_json({**cfg.to_json(), "moe_grouped_gemm": True})
+    scheme = check_names(scheme or meta.get("names") or "local")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         values = TargetValues(build.values, cfg, to)
+        values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
         optimizer = legacy_optimizer(meta, values.args) if any(
             p.startswith("optimizer/") for p in source.tree.leaves) else None
+        if scheme == "te" and optimizer is not None:
+            raise ConfigError("a legacy checkpoint with TransformerEngine names and optimizer state: the "
+                              "optimizer's parameter order follows TE's modules, which tenplex does not "
+                              "model yet; write torch_dist, or local names")
         if optimizer == "adam" and to.vpp > 1:
             raise ConfigError(f"{to}: a non-distributed optimizer's legacy state with vpp={to.vpp} is "
                               "not written by tenplex; reshard to vpp=1 or from a distributed optimizer")
@@ -117,7 +128,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
                 d = os.path.join(tmp, rank_dir_name(t, p, to.pp, e, to.ep))
                 os.makedirs(d)
                 jobs.append(lambda t=t, p=p, e=e, rank=rank, d=d: _write_rank(
-                    build, cfg, values, rng_states, optimizer, t, p, e, rank, d))
+                    build, cfg, values, rng_states, optimizer, t, p, e, rank, d, scheme))
                 if optimizer == "distrib_optim":
                     jobs.append(lambda p=p, e=e, rank=rank, d=d: _distrib_optim(
                         build, cfg, to, p, e, rank, dtypes, os.path.join(d, "distrib_optim.pt")))
@@ -126,10 +137,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        tracker = os.path.join(root, f".{TRACKER}.tmp-{uuid.uuid4().hex}")
-        with open(tracker, "w") as f:
-            f.write(str(values.iteration))
-        os.replace(tracker, os.path.join(root, TRACKER))
+        write_tracker(root, values.iteration)
         return {"bytes_written": written, "files": files, "padding": list(build.plan.padding),
                 "bytes_needed": build.runner.bytes_needed,
                 "notes": values.notes}
@@ -193,10 +201,11 @@ def _distrib_optim(build, cfg, to, p, e, rank, dtypes, path: str) -> int:
     return save_streamed(obj, path, placeholders, _ahead(fns))
 
 
-def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d) -> int:
+def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d, scheme="local") -> int:
     to = build.to
     paths, placeholders = [], []
     names = 1 if cfg.moe_grouped_gemm else 0
+    te = {s.path for s in param_specs(cfg) if s.te} if scheme == "te" else set()
     state: dict = {"args": values.args, "checkpoint_version": values.checkpoint_version,
                    "iteration": values.iteration}
     for v in range(to.vpp):
@@ -204,11 +213,12 @@ def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d) -> 
         first = to.first_layer(p, cfg.num_layers, v)
         for path, accepted in chunk_keys(cfg, to, p, v, e).items():
             expert = build.tree[path].layout.expert is not None
-            model[accepted[names if expert else 0]] = _placeholder(build, path, rank)
+            key = accepted[-1] if path in te else accepted[names if expert else 0]
+            model[key] = _placeholder(build, path, rank)
             paths.append(path)
-            placeholders.append(model[accepted[names if expert else 0]])
+            placeholders.append(model[key])
         for layer in to.chunk_layers(p, v, cfg.num_layers):
-            for key in extra_state_keys(cfg, layer, to.ep):
+            for key in extra_state_keys(cfg, layer, to.ep, scheme):
                 model[key.format(i=layer - first)] = None
         if (p, v) == (to.pp - 1, to.vpp - 1):
             model["output_layer._extra_state"] = None
