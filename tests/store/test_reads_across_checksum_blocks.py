@@ -1,4 +1,4 @@
-"""Issue 9's failing cases, exactly as reported, with the default 1 MiB checksum blocks.
+"""Reads that start and end mid-block, at real sizes, with the default 1 MiB checksum blocks.
 
 - ``tenplex.load`` of an fp32 [4096, 512] tensor (8 MiB: eight blocks) split
   on either axis, loaded at ``dp=1,tp=4,pp=1``: each rank's range read starts
