@@ -19,6 +19,8 @@ from tenplex.api import ReshardReport, load, load_global, reshard, save, verify
 from tenplex import models
 from tenplex.elastic import ReconfigureReport, reconfigure, recover
 from tenplex.distributed_save import save_distributed
+from tenplex.snapshot import Snapshotter, snapshot
+from tenplex.snapshot_recover import Restored, recover_from_snapshots
 
 __version__ = "0.1.0"
 
@@ -30,5 +32,5 @@ __all__ = [
     "Stage", "StageKind", "StoreError", "TenplexError", "TensorLeaf", "TransferError",
     "UnsafePickleError", "ValueLeaf", "ReshardReport", "execute_local", "load", "load_global", "make_plan", "materialize",
     "models", "reshard", "save", "verify", "ReconfigureReport", "reconfigure", "recover",
-    "save_distributed",
+    "save_distributed", "Snapshotter", "snapshot", "Restored", "recover_from_snapshots",
 ]
