@@ -58,6 +58,12 @@ def _start(config, steps: int):
     return parts, [train_step(parts, corpus, k * opts.global_batch, opts)[0] for k in range(steps)]
 
 
+def _log(out, process, text):
+    import time
+    with open(os.path.join(out, f"log-{process}.txt"), "a") as f:
+        f.write(f"{time.time():.2f} {text}\n")
+
+
 def _guarded(fn, out: str, tag: str, *args) -> None:
     try:
         fn(*args)
@@ -100,17 +106,22 @@ def _survivor(process: int, port: int, out: str) -> None:
         for step in range(1, STEPS + 1):
             if process == KILL and step == DURING:
                 os.kill(os.getpid(), signal.SIGKILL)
+            _log(out, process, f"step {step} start")
             losses[step] = train_step(parts, corpus, consumed, opts)[0]
             consumed += opts.global_batch
+            _log(out, process, f"step {step} done")
             if step % EVERY == 0:
                 live.save_checkpoint(parts, checkpoint(out, step), spec=spec, consumed_samples=consumed)
     except Exception as exc:      # a peer died
         failure = {"step": step, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        _log(out, process, f"failure {failure}")
     state = live.export_state(*parts, spec=spec, consumed_samples=consumed)
     parts = None
     live.destroy_parallel_state()
-    membership.leave()
+    membership.leave(abort=True)
+    _log(out, process, "left")
     lost = set(json.loads(membership.store.get("lost")))
+    _log(out, process, f"lost {lost}")
     done = live.recover(state, build, spec=spec, config=config, lost=lost, seed=w.SEED, membership=membership,
                         name="recovery-1", store=checkpoint(out, DURING - 1), new=alone, replaced=())
     parts, after_recovery = done.parts, membership.process

@@ -59,19 +59,27 @@ class Membership:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return cls(dist.PrefixStore(f"tenplex/restart-{restart}", store), rank, **kwargs)
 
-    def leave(self) -> None:
+    def leave(self, *, abort: bool = False) -> None:
         """Leave the current default group.
 
-        After a peer failed, call it once nothing references the model, the
-        optimizer or ``parallel_state`` any more (they hold the group's
-        subgroups): their connections then close, so that peers blocked on this
-        process fail now instead of at the group's timeout.
+        Args:
+            abort: after a peer failed, close the connections of every group
+                this process is in (the default group and all its subgroups,
+                through :meth:`tenplex.transform.comm.TorchComm.abort`), so that
+                peers blocked on this process fail now instead of at the groups'
+                timeout. Needed with megatron-core's DDP: its gradient hooks hold
+                the model, and so its groups, in a reference cycle through
+                autograd that Python's garbage collector cannot free. Only
+                after a failure: a healthy peer may still be finishing its last
+                collective.
         """
         import gc
 
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if abort:
+                _abort_all()
             dist.destroy_process_group()
         gc.collect()
         self.size = 0
@@ -157,6 +165,20 @@ class Membership:
         group.wait(["ready"], self.timeout)
         if group.check(["generation"]):
             self.generation = int(group.get("generation"))
+
+
+def _abort_all() -> None:
+    """Close the connections of every process group of this process (see :meth:`Membership.leave`)."""
+    import torch.distributed as dist
+    from tenplex.transform.comm import TorchComm
+
+    world = dist.group.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            if dist.get_world_size(pg) >= 2:
+                TorchComm(None if pg is world else pg).abort()
+        except Exception:   # a group this process is not in, or one already broken
+            pass
 
 
 def init_parallel_state(config, seed: int) -> None:
