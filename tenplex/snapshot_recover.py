@@ -242,8 +242,8 @@ def recover_from_snapshots(tree: PTree | Callable[[ParallelConfig], PTree], new:
         CorruptShardError: a chosen snapshot's file lies about its contents.
         PlanError, ShardError, TransferError: as :func:`tenplex.recover`.
     """
-    import tenplex
-    from tenplex.elastic import _comm, _reader
+    from tenplex.api import load
+    from tenplex.elastic import _comm, _reader, recover
 
     root = root or default_root()
     tree_of = tree if callable(tree) else (lambda old: tree)
@@ -263,7 +263,7 @@ def recover_from_snapshots(tree: PTree | Callable[[ParallelConfig], PTree], new:
         if reader is None:
             raise MissingDataError(f"recover_from_snapshots: the snapshots on hosts {sorted(by_host)} do not cover "
                                    f"{new} at any one step, and there is no checkpoint")
-        state = tenplex.load(store, new, me) if me < new.world_size else None
+        state = load(store, new, me) if me < new.world_size else None
         return Restored(state, None, int(store_step) if store_step is not None else -1, None, [], True, skipped)
     step, old, src_of, tree_r = chosen
     mine = src_of[me]
@@ -272,7 +272,7 @@ def recover_from_snapshots(tree: PTree | Callable[[ParallelConfig], PTree], new:
         slot = next(o[2] for o in by_host[host] if o[0] == mine and o[1] == step)
         local = load_snapshot(root, job, mine, slot, tree_r)
     alive = {r for r in src_of if r is not None}
-    state, report = tenplex.recover(local, tree_r, old, new, lost=set(range(old.world_size)) - alive,
+    state, report = recover(local, tree_r, old, new, lost=set(range(old.world_size)) - alive,
                                     src_of=src_of, store=reader, step_path=step_path, comm=comm,
                                     memory_budget=memory_budget, device=device, timeout=timeout)
     return Restored(state, report, step, old, sorted(alive), False, skipped)

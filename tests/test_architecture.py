@@ -28,6 +28,10 @@ LAYERS = {
     "tenplex.api": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
     "tenplex.elastic": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
     "tenplex.distributed_save": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
+    # host-local snapshots; recovery from them sits over api (load) and elastic (recover)
+    "tenplex.snapshot": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
+    "tenplex.snapshot_recover": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.api",
+                                 "tenplex.elastic", "tenplex.snapshot"},
     "tenplex.cli": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.models",
                     "tenplex.api", "tenplex.elastic", "tenplex.distributed_save"},
 }

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def _agent(port: int, snapshots: str, out: str, is_host: bool, log) -> subprocess.Popen:
-    env = dict(os.environ, TENPLEX_SNAPSHOT_DIR=snapshots, OMP_NUM_THREADS="1")
+    # a fresh worker store per rendezvous round: with the shared one (the default), the first
+    # attempt's gloo keys are still there after the restart, and the new workers connect to dead ports
+    env = dict(os.environ, TENPLEX_SNAPSHOT_DIR=snapshots, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     conf = f"is_host={int(is_host)},last_call_timeout=15,join_timeout=300"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2",
            "--max_restarts=1", "--monitor_interval=1", "--rdzv_backend=c10d",

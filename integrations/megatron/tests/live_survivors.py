@@ -101,32 +101,41 @@ def _survivor(process: int, port: int, out: str) -> None:
     membership.form(config.world_size, name="start")
     live.init_parallel_state(config, w.SEED)
     reference = _start(config, STEPS)[1]        # the run without a failure (its model is dropped)
-    parts, losses, consumed, failure = _start(config, 0)[0], {}, 0, None
-    try:
-        for step in range(1, STEPS + 1):
-            if process == KILL and step == DURING:
-                os.kill(os.getpid(), signal.SIGKILL)
-            _log(out, process, f"step {step} start")
-            losses[step] = train_step(parts, corpus, consumed, opts)[0]
-            consumed += opts.global_batch
-            _log(out, process, f"step {step} done")
-            if step % EVERY == 0:
-                live.save_checkpoint(parts, checkpoint(out, step), spec=spec, consumed_samples=consumed)
-    except Exception as exc:      # a peer died
-        failure = {"step": step, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-        _log(out, process, f"failure {failure}")
-    state = live.export_state(*parts, spec=spec, consumed_samples=consumed)
-    parts = None
-    live.destroy_parallel_state()
-    membership.leave(abort=True)
-    _log(out, process, "left")
-    lost = set(json.loads(membership.store.get("lost")))
-    _log(out, process, f"lost {lost}")
-    done = live.recover(state, build, spec=spec, config=config, lost=lost, seed=w.SEED, membership=membership,
-                        name="recovery-1", store=checkpoint(out, DURING - 1), new=alone, replaced=())
-    parts, after_recovery = done.parts, membership.process
+    parts, losses, consumed, failure, seed, url = _start(config, 0)[0], {}, 0, None, w.SEED, None
+    # the lines marked `# docs` are those docs/megatron.md shows (test_live_docs checks them)
+    for step in range(1, STEPS + 1):
+        if process == KILL and step == DURING:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _log(out, process, f"step {step} start")
+        failed = False                                                                        # docs
+        try:                                                                                  # docs
+            loss, _ = train_step(parts, corpus, consumed, opts)                               # docs
+        except Exception:                                                                     # docs
+            failed = True                                                                     # docs
+        if failed:
+            failure = {"step": step}
+            break
+        losses[step] = loss
+        consumed += opts.global_batch
+        _log(out, process, f"step {step} done")
+        if step % EVERY == 0:
+            url = checkpoint(out, step)
+            live.save_checkpoint(parts, url, spec=spec, consumed_samples=consumed)            # docs
+    _log(out, process, f"failure {failure}")
+    if failed:                                                                                # docs
+        state = live.export_state(*parts, spec=spec, consumed_samples=consumed)               # docs
+        parts = None                                                                          # docs
+        live.destroy_parallel_state()                                                         # docs
+        membership.leave(abort=True)                                                          # docs
+        lost = set(json.loads(membership.store.get("lost")))                                  # docs
+        done = live.recover(state, build, spec=spec, config=config, lost=lost, seed=seed,     # docs
+                            membership=membership, name="recovery-1", store=url, new=alone, replaced=())
+        parts, config = done.parts, alone                                                     # docs
+        if parts is not None:                                                                 # docs
+            consumed = done.imported.consumed_samples                                         # docs
+    after_recovery = membership.process
     if parts is not None:
-        consumed = _train(parts, DURING, GROW_AFTER, done.imported.consumed_samples, losses)
+        consumed = _train(parts, DURING, GROW_AFTER, consumed, losses)
     grown = live.change(parts, build, spec=spec, old=alone, new=back, consumed_samples=consumed if parts else None,
                         seed=w.SEED, membership=membership)
     _train(grown.parts, GROW_AFTER + 1, STEPS, grown.imported.consumed_samples, losses)
