@@ -8,7 +8,10 @@ store): the job's processes are numbered once (``process``, torchrun's first
 ``RANK``); a config of world size ``W`` runs on processes ``0 .. W-1``
 (process ``p`` holds rank ``p``) and the others are parked until a later
 config needs them. Every process calls :meth:`Membership.form` at the same
-points, so the group generations stay in step.
+points. Unnamed groups are numbered by generation; a process that joins late
+(a replacement, a newcomer) learns the generation from process 0's
+announcements in the store, so every group is named the same on every
+process, whoever joined when (see :meth:`Membership.form`).
 """
 
 from __future__ import annotations
