@@ -151,6 +151,7 @@ def _run(target, args_of, n):
     return [p.exitcode for p in procs]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("optimizer,checkpoint_step,want_step", [
     ("distributed_adam", 2, 2),     # lost optimizer shards from the checkpoint of the snapshots' step

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = [pytest.mark.multiprocess]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")
 TIMEOUT = datetime.timedelta(seconds=20)
 
