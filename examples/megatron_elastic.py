@@ -1,6 +1,6 @@
 """A megatron-core GPT training loop (``pretrain_gpt`` style) whose (dp, tp, pp) changes while it trains.
 
-Run:  torchrun --standalone --nproc_per_node=4 examples/megatron_elastic.py [--dtype bf16]
+Run:  torchrun --standalone --nproc_per_node=4 examples/megatron_elastic.py [--dtype bfloat16]
 
 megatron-core builds the model, its DDP and distributed optimizer, and runs
 its own pipeline schedule. Between phases the running job moves to the next
@@ -48,13 +48,6 @@ def parse_args():
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args()
-
-
-def model_config(args) -> MegatronConfig:
-    return MegatronConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                          vocab_size=VOCAB, make_vocab_size_divisible_by=32, position_embedding_type="rope",
-                          untie_embeddings_and_output_weights=True, max_position_embeddings=SEQ,
-                          params_dtype=args.dtype)
 
 
 def setup_model_and_optimizer(config: ParallelConfig, cfg: MegatronConfig):
@@ -168,7 +161,11 @@ def run(schedule, args, membership, spec):
 def main() -> None:
     args = parse_args()
     # tenplex: once, before training: what the job's state tree depends on, and its process groups
-    spec = live.LiveSpec(model_config(args), distributed_optimizer=True, grad_reduce_in_fp32=True)
+    model = MegatronConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                           vocab_size=VOCAB, make_vocab_size_divisible_by=32, position_embedding_type="rope",
+                           untie_embeddings_and_output_weights=True, max_position_embeddings=SEQ,
+                           params_dtype=args.dtype)
+    spec = live.LiveSpec(model, distributed_optimizer=True, grad_reduce_in_fp32=True)
     membership = live.Membership.from_env()
     elastic, samples, changes = run(SCHEDULE, args, membership, spec)
     static, static_samples, _ = run([(SCHEDULE[0][0], sum(s for _, s in SCHEDULE))], args, membership, spec)

@@ -23,12 +23,15 @@ from tenplex.transform import execute_local, make_plan
 from tenplex.api import load, load_global, reshard, save, verify
 from tenplex.elastic import reconfigure, recover
 from tenplex.distributed_save import save_distributed
+from tenplex.snapshot import Snapshotter, snapshot
+from tenplex.snapshot_recover import Restored, recover_from_snapshots
 
 __version__ = "0.1.0"
 
 __all__ = [
     # verbs
     "save", "load", "load_global", "reshard", "verify", "reconfigure", "recover", "save_distributed",
+    "snapshot", "recover_from_snapshots", "Snapshotter", "Restored",
     "materialize", "make_plan", "execute_local",
     # the tree and layout vocabulary
     "PTree", "TensorLeaf", "ValueLeaf", "Scope", "Layout", "Split", "Stage", "StageKind", "Padding",

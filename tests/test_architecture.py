@@ -25,17 +25,21 @@ LAYERS = {
     "tenplex.transform": {"tenplex.ptree"},
     "tenplex.store": {"tenplex.ptree", "tenplex.transform"},
     # formats: the protocol, the registry and the tenplex store as a format, over store
-    "tenplex.formats": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
+    "tenplex.formats": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.models"},
     # api, elastic and distributed_save are siblings over store: none imports another
     "tenplex.api": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats"},
     "tenplex.elastic": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
     "tenplex.distributed_save": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
+    # host-local snapshots; recovery from them sits over api (load) and elastic (recover)
+    "tenplex.snapshot": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
+    "tenplex.snapshot_recover": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.api",
+                                 "tenplex.elastic", "tenplex.snapshot"},
     "tenplex.cli": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats", "tenplex.models",
                     "tenplex.api", "tenplex.elastic", "tenplex.distributed_save"},
 }
 """The graph drawn in docs/architecture.md."""
 CORE = {"tenplex", "tenplex.ptree", "tenplex.models", "tenplex.transform", "tenplex.store", "tenplex.formats",
-        "tenplex.api",
+        "tenplex.api", "tenplex.snapshot", "tenplex.snapshot_recover",
         "tenplex.elastic", "tenplex.distributed_save"}
 """What the integration may import of the core (not the CLI)."""
 MEGATRON = "tenplex_megatron"
@@ -58,7 +62,7 @@ LAYERS.update({
     f"{MEGATRON}.demo": CORE | {f"{MEGATRON}.model", f"{MEGATRON}.live", f"{MEGATRON}.cpu_shim"},
     f"{MEGATRON}.commands": {f"{MEGATRON}.demo"},
 })
-LEAVES = {"tenplex.errors", "tenplex.units"}
+LEAVES = {"tenplex.errors", "tenplex.units", "tenplex.limits"}
 """Modules every layer may import (they import nothing of tenplex)."""
 
 

@@ -25,7 +25,8 @@ def _blocks():
 def test_every_live_line_in_the_docs_is_run_by_the_file_it_names():
     blocks = _blocks()
     assert [path for path, _ in blocks] == ["examples/megatron_elastic.py",
-                                            "integrations/megatron/tests/live_recovery.py"]
+                                            "integrations/megatron/tests/live_survivors.py",
+                                            "integrations/megatron/tests/live_snapshots.py"]
     for path, block in blocks:
         ran = {_code(line) for line in (ROOT / path).read_text().splitlines()}
         lines = [_code(line) for line in block.splitlines() if _code(line) and not line.lstrip().startswith("#")]

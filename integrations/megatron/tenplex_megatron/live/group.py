@@ -8,7 +8,10 @@ store): the job's processes are numbered once (``process``, torchrun's first
 ``RANK``); a config of world size ``W`` runs on processes ``0 .. W-1``
 (process ``p`` holds rank ``p``) and the others are parked until a later
 config needs them. Every process calls :meth:`Membership.form` at the same
-points, so the group generations stay in step.
+points. Unnamed groups are numbered by generation; a process that joins late
+(a replacement, a newcomer) learns the generation from process 0's
+announcements in the store, so every group is named the same on every
+process, whoever joined when (see :meth:`Membership.form`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import os
 import torch
 
 __all__ = ["Membership", "init_parallel_state", "destroy_parallel_state"]
+
+_KEYS = "tenplex/membership"
+"""Store keys of the group announcements (``enter/g``: its size, ``formed/g``, ``generation``)."""
 
 
 class Membership:
@@ -35,13 +41,17 @@ class Membership:
     def __init__(self, store, process: int, *, backend: str = "gloo",
                  timeout: datetime.timedelta = datetime.timedelta(minutes=5)):
         self.store, self.process, self.backend, self.timeout = store, process, backend, timeout
-        self.generation = 0
+        self.generation: int | None = None   # unnamed groups formed; None until known (see form)
         self.size = 0
 
     @classmethod
     def from_env(cls, **kwargs) -> "Membership":
         """Under torchrun: this process is ``RANK``; the store is torchrun's agent store
-        (``MASTER_ADDR:MASTER_PORT``), hosted by the agent, so no worker has to stay."""
+        (``MASTER_ADDR:MASTER_PORT``), hosted by the agent, so no worker has to stay.
+
+        The agent's store outlives torchrun's restarts, so its keys are
+        prefixed with ``TORCHELASTIC_RESTART_COUNT``: restarted workers start
+        afresh."""
         import torch.distributed as dist
 
         rank = int(os.environ["RANK"])
@@ -49,27 +59,46 @@ class Membership:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               is_master=not agent and rank == 0, wait_for_workers=False,
                               timeout=kwargs.get("timeout", datetime.timedelta(minutes=5)))
-        return cls(store, rank, **kwargs)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(dist.PrefixStore(f"tenplex/restart-{restart}", store), rank, **kwargs)
 
-    def leave(self) -> None:
+    def leave(self, *, abort: bool = False) -> None:
         """Leave the current default group.
 
-        After a peer failed, call it once nothing references the model, the
-        optimizer or ``parallel_state`` any more (they hold the group's
-        subgroups): their connections then close, so that peers blocked on this
-        process fail now instead of at the group's timeout.
+        Args:
+            abort: after a peer failed, close the connections of every group
+                this process is in (the default group and all its subgroups,
+                through :meth:`tenplex.transform.comm.TorchComm.abort`), so that
+                peers blocked on this process fail now instead of at the groups'
+                timeout. Needed with megatron-core's DDP: its gradient hooks hold
+                the model, and so its groups, in a reference cycle through
+                autograd that Python's garbage collector cannot free. Only
+                after a failure: a healthy peer may still be finishing its last
+                collective.
         """
         import gc
 
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if abort:
+                _abort_all()
             dist.destroy_process_group()
         gc.collect()
         self.size = 0
 
     def form(self, size: int, name: str | None = None) -> bool:
         """Leave the current default group; processes ``0 .. size-1`` form a new one.
+
+        Every group is named the same on every process, whoever joined when:
+
+        - an unnamed group is number ``g`` (its generation); process 0 is in
+          every group and announces each ``g`` it forms in the store, and a
+          process that does not know the job's generation yet (a newcomer, or a
+          replacement) takes the first announced group that needs it;
+        - after any group is formed, its members go on from the highest
+          generation any of them knew, so a replacement that met the survivors
+          in a named group continues in step with them.
 
         Args:
             size: the new group's size.
@@ -82,15 +111,77 @@ class Membership:
         """
         import torch.distributed as dist
 
-        self.generation += 1
-        key = name or str(self.generation)
+        key = name
+        if name is None:
+            if self.generation is None and self.process != 0:
+                if self.process >= size:
+                    self.leave()
+                    return False
+                self.generation = self._announced(size) - 1
+            self.generation = (self.generation or 0) + 1
+            key = str(self.generation)
+            if self.process == 0:
+                self.store.set(f"{_KEYS}/enter/{key}", str(size))
+                self.store.set(f"{_KEYS}/generation", key)
         self.leave()
         self.size = size
         if self.process >= size:
             return False
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"tenplex/group/{key}", self.store),
-                                rank=self.process, world_size=size, timeout=self.timeout)
+        group = dist.PrefixStore(f"tenplex/group/{key}", self.store)
+        self._agree(group, size)
+        dist.init_process_group(self.backend, store=group, rank=self.process, world_size=size,
+                                timeout=self.timeout)
+        if name is None and self.process == 0:
+            self.store.set(f"{_KEYS}/formed/{key}", "1")
         return True
+
+    def _announced(self, size: int) -> int:
+        """The generation of the first unnamed group process 0 forms that needs this process.
+
+        Groups already formed (``formed/g`` set) and groups too small for this
+        process are skipped; the loop waits for process 0's next announcement.
+        """
+        g = int(self.store.get(f"{_KEYS}/generation")) if self.store.check([f"{_KEYS}/generation"]) else 1
+        while True:
+            self.store.wait([f"{_KEYS}/enter/{g}"], self.timeout)
+            if int(self.store.get(f"{_KEYS}/enter/{g}")) > self.process and \
+                    not self.store.check([f"{_KEYS}/formed/{g}"]):
+                return g
+            g += 1
+
+    def _agree(self, group, size: int) -> None:
+        """Members of the group being formed go on from the highest generation any of them knew.
+
+        A compare-and-set maximum in the group's store, then a barrier on it
+        (one ``add`` per member, one key the last one sets), so every member
+        reads the final value; O(1) store operations per process.
+        """
+        if self.generation is not None:
+            while True:
+                seen = group.get("generation").decode() if group.check(["generation"]) else ""
+                if seen and int(seen) >= self.generation:
+                    break
+                if group.compare_set("generation", seen, str(self.generation)).decode() == str(self.generation):
+                    break
+        if group.add("arrived", 1) == size:
+            group.set("ready", "1")
+        group.wait(["ready"], self.timeout)
+        if group.check(["generation"]):
+            self.generation = int(group.get("generation"))
+
+
+def _abort_all() -> None:
+    """Close the connections of every process group of this process (see :meth:`Membership.leave`)."""
+    import torch.distributed as dist
+    from tenplex.transform.comm import TorchComm
+
+    world = dist.group.WORLD
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            if dist.get_world_size(pg) >= 2:
+                TorchComm(None if pg is world else pg).abort()
+        except Exception:   # a group this process is not in, or one already broken
+            pass
 
 
 def init_parallel_state(config, seed: int) -> None:

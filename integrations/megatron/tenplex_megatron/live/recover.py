@@ -1,7 +1,8 @@
 """Recovery of a megatron-core job after lost ranks: from replicas, with the last checkpoint as fallback.
 
 Survivors and replacement processes call :func:`recover` together, in a new
-default group (:class:`~tenplex_megatron.live.group.Membership`). What a
+default group (:class:`~tenplex_megatron.live.group.Membership`); survivors
+may also go on alone (``replaced=()``), at any config that fits them. What a
 survivor holds comes from it: dp replicas of the model (and of the optimizer
 without the distributed optimizer), the tied embedding's copy on the other
 stage. What no survivor holds (a lost dp rank's shard of the distributed
@@ -30,9 +31,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
-from tenplex.errors import ShardError
+from tenplex.errors import ConfigError, ShardError
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.live.change import Changed, Parts, _resume
@@ -72,8 +73,16 @@ def save_checkpoint(parts: Parts, url: str, *, spec: LiveSpec, consumed_samples:
 
 def recover(state: dict | None, build: Callable[[ParallelConfig], tuple], *, spec: LiveSpec,
             config: ParallelConfig, lost: set[int], seed: int, membership: Membership, name: str,
-            store: str | None = None, new: ParallelConfig | None = None) -> Recovered:
+            store: str | None = None, new: ParallelConfig | None = None,
+            replaced: Collection[int] | None = None) -> Recovered:
     """Rebuild the job at ``new`` (default ``config``) after losing the ranks ``lost`` of ``config``.
+
+    The processes of the recovery group are the survivors and the
+    replacements (``replaced``). Lost processes without a replacement leave
+    holes that are closed: every other process's number drops by the number
+    of such processes below it (``membership.process`` is the new number
+    afterwards), so survivors alone go on at any ``new`` that fits them, and
+    later groups (``change``) form over the new numbers.
 
     Args:
         state: a survivor's :func:`~tenplex_megatron.live.state.export_state`, taken
@@ -82,35 +91,41 @@ def recover(state: dict | None, build: Callable[[ParallelConfig], tuple], *, spe
             survivor whose state is unusable).
         build: as :func:`~tenplex_megatron.live.change.change`.
         spec: the job's :class:`LiveSpec`.
-        config: the config the job ran at.
-        lost: the ranks of ``config`` that are gone; process ``p`` of the new
-            group holds old rank ``p`` unless ``p`` is lost (then it is a replacement).
+        config: the config the job ran at (process ``p`` held rank ``p``).
+        lost: the ranks of ``config`` that are gone.
         seed: the run's seed.
         membership: this process's membership; survivors and replacements meet
             in the group ``name``.
         store: the last committed checkpoint (:func:`save_checkpoint`), or ``None``.
         new: the config to go on at (default ``config``).
+        replaced: the lost ranks that have a replacement process (a process
+            whose ``membership.process`` is that rank and that passes
+            ``state=None``); default: every lost rank. ``replaced=()``: the
+            survivors go on alone.
 
     Returns:
         :class:`Recovered` (``parts`` ``None`` on a process without a new rank).
 
     Raises:
+        ConfigError: ``replaced`` names a rank that is not lost, or this process
+            is lost and not replaced.
         MissingDataError: a region neither a survivor nor ``store`` holds, on every
             process alike, before anything moves.
         ShardError: the survivors hold states of different steps and there is no ``store``.
     """
     import tenplex
-    from tenplex.transform.planner import make_plan
 
     start = time.perf_counter()
     new = new or config
     tree = spec.tree(config, new)
+    old_process, size = _renumber(membership, config, new, set(lost), replaced)
     destroy_parallel_state()
-    membership.form(max(config.world_size, new.world_size), name=name)
-    held = state is not None and membership.process not in lost
-    alive = {r for r in _gather(held and membership.process) if r is not False}
+    if not membership.form(size, name=name):
+        return Recovered(None, None, None, time.perf_counter() - start, None)
+    held = state is not None and old_process < config.world_size and old_process not in lost
+    alive = {r for r in _gather(old_process if held else None) if r is not None}
     steps = {s for s in _gather(state["optimizer/step"] if held else None) if s is not None}
-    plan = make_plan(tree, config, new, alive=alive, store_fallback=store is not None)
+    plan = _plan(tree, config, new, alive, store)
     rolled_back, mixed = None, len(steps) > 1
     if mixed and store is None:
         raise ShardError(f"the survivors hold states of different steps {sorted(steps)} and there is no "
@@ -122,13 +137,38 @@ def recover(state: dict | None, build: Callable[[ParallelConfig], tuple], *, spe
     else:
         state, report = _from_replicas(state if held else None, tree, config, new,
                                        set(range(config.world_size)) - alive, store,
-                                       membership.process if held else None)
-    if new.world_size < config.world_size:
+                                       old_process if held else None)
+    if new.world_size < size:
         membership.form(new.world_size, name=f"{name}/go-on")
     if state is None:
         return Recovered(None, None, report, time.perf_counter() - start, rolled_back)
     done = _resume(state, build, spec, new, seed, tree, report, start)
     return Recovered(done.parts, done.imported, report, done.seconds, rolled_back)
+
+
+def _renumber(membership: Membership, config: ParallelConfig, new: ParallelConfig, lost: set,
+              replaced) -> tuple[int, int]:
+    """Close the holes of lost processes without a replacement; ``(old process, group size)``.
+
+    Raises:
+        ConfigError: ``replaced`` is not a subset of ``lost``, or this process is lost and not replaced.
+    """
+    replaced = set(lost if replaced is None else replaced)
+    if not replaced <= lost:
+        raise ConfigError(f"recover: replaced {sorted(replaced)} names ranks that are not lost {sorted(lost)}")
+    gone = lost - replaced
+    old = membership.process
+    if old in gone:
+        raise ConfigError(f"recover: process {old} is lost and not replaced (replaced {sorted(replaced)}), "
+                          "so it cannot take part")
+    membership.process = old - sum(1 for g in gone if g < old)
+    return old, max(config.world_size - len(gone), new.world_size)
+
+
+def _plan(tree, config, new, alive, store):
+    from tenplex.transform.planner import make_plan
+
+    return make_plan(tree, config, new, alive=alive, store_fallback=store is not None)
 
 
 def _from_replicas(state, tree, config, new, lost, store, old_rank):
