@@ -32,6 +32,7 @@ import torch
 
 from tenplex.errors import CorruptShardError, ManifestError, PathError
 from tenplex.limits import short
+from tenplex.store.paths import resolve_inside
 
 from tenplex_megatron.dcp.records import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                           MetadataIndex, StorageInfo, StorageMeta, TensorProperties,
@@ -68,9 +69,7 @@ def item_file(root: str, relative_path: object) -> tuple[str, int]:
     if "/" in relative_path or "\\" in relative_path or "\0" in relative_path or relative_path == ".":
         raise PathError(f"{what} is not a plain file name in the checkpoint directory")
     path = os.path.join(root, relative_path)
-    real, real_root = os.path.realpath(path), os.path.realpath(root)
-    if os.path.commonpath([real, real_root]) != real_root or real == real_root:
-        raise PathError(f"{what} resolves to {real}, outside the checkpoint directory {real_root}")
+    real = resolve_inside(root, path, what)  # the one path rule (tenplex.store.paths)
     return path, regular_file_size(real, path)
 
 

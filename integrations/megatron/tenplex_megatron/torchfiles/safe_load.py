@@ -37,6 +37,8 @@ import torch
 from tenplex.errors import CorruptShardError, UnsafePickleError
 from tenplex.limits import SAFE_REPR, short
 from tenplex.ptree.tree import DTYPES
+from tenplex.store import paths
+from tenplex.store.paths import regular_size
 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.torchfiles.ziprecords import check_stored
@@ -298,19 +300,13 @@ class _torch_globals:
 
 
 def regular_file_size(path: str, what: str) -> int:
-    """The size in bytes of the regular file at ``path`` (symlinks followed).
+    """The size in bytes of the regular file at ``path`` (:func:`tenplex.store.paths.regular_size`).
 
     Raises:
         CorruptShardError: ``path`` is missing or not a regular file (a FIFO or a
             device would block or never end).
     """
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CorruptShardError(f"{what}: file is missing") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptShardError(f"{what}: not a regular file (mode {stat.filemode(st.st_mode)})")
-    return st.st_size
+    return regular_size(path, what)
 
 
 class FileView(io.RawIOBase):
@@ -342,28 +338,16 @@ class FileView(io.RawIOBase):
         return got
 
 
-def open_regular(path: str, what: str, buffering: int = -1):
-    """Open the regular file at ``path`` for reading: ``(binary file, size in bytes)``
-    (``buffering`` as for :func:`open`; 0 gives a raw, unbuffered file).
-
-    The file is opened non-blocking and checked with ``fstat`` on the open
-    descriptor, so a FIFO swapped in after a check cannot block the read.
+def open_regular(path: str, what: str, buffering: int = -1, root: str | None = None):
+    """Open the regular file at ``path`` for reading: ``(binary file, size in bytes)``, by the one
+    path rule (:func:`tenplex.store.paths.open_regular`: inside ``root`` where given, non-blocking,
+    ``fstat`` on the open descriptor).
 
     Raises:
+        PathError: ``path`` resolves outside ``root``.
         CorruptShardError: ``path`` is missing, unreadable or not a regular file.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise CorruptShardError(f"{what}: file is missing") from None
-    except OSError as exc:
-        raise CorruptShardError(f"{what}: cannot open it ({exc.strerror})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CorruptShardError(f"{what}: not a regular file (mode {stat.filemode(st.st_mode)})")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb", buffering=buffering), st.st_size
+    return paths.open_regular(path, what, buffering, root)
 
 
 def _stream_size(f) -> int:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
+from tenplex.store.paths import check_inside
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.description import Description
@@ -65,7 +66,7 @@ def _iteration_dir(root: str) -> tuple[str, int | str]:
     path = os.path.join(root, TRACKER)
     if not os.path.lexists(path):
         raise ManifestError(f"{root}: no {TRACKER}; not a Megatron-LM checkpoint")
-    f, _ = open_regular(path, path)
+    f, _ = open_regular(path, path, root=root)
     with f:
         text = f.read(64).decode("utf-8", "replace").strip()
     if text == "release":
@@ -335,6 +336,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     model_files = {k: os.path.join(d, "model_optim_rng.pt") for k, d in dirs.items()}
     distrib = {k: os.path.join(d, "distrib_optim.pt") for k, d in dirs.items()
                if os.path.exists(os.path.join(d, "distrib_optim.pt"))}
+    check_inside(root, [*model_files.values(), *distrib.values()])  # issue 20: the one path rule
     with ThreadPoolExecutor(max(1, threads)) as pool:
         loaded = dict(zip(model_files, pool.map(_load, model_files.values())))
         opt_loaded = dict(zip(distrib, pool.map(_load, distrib.values())))
