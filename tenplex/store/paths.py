@@ -25,9 +25,12 @@ import os
 import stat
 
 from tenplex.errors import CorruptShardError, PathError
-from tenplex.limits import short
 
 __all__ = ["resolve_inside", "open_regular", "regular_size", "check_inside"]
+
+
+def _cut(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def resolve_inside(root: str, path: str, what: str | None = None) -> str:
@@ -40,8 +43,8 @@ def resolve_inside(root: str, path: str, what: str | None = None) -> str:
     full = path if os.path.isabs(path) else os.path.join(root, path)
     real, real_root = os.path.realpath(full), os.path.realpath(root)
     if real == real_root or os.path.commonpath([real, real_root]) != real_root:
-        raise PathError(f"{short(what, 300)}: resolves to {short(real, 300)}, outside the checkpoint "
-                        f"directory {short(real_root, 300)}; tenplex reads no file outside it")
+        raise PathError(f"{_cut(what)}: resolves to {_cut(real)}, outside the checkpoint "
+                        f"directory {_cut(real_root)}; tenplex reads no file outside it")
     return real
 
 
