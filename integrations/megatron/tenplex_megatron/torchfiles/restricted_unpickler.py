@@ -135,7 +135,13 @@ def unpickle(data: bytes, profile: Profile, what: str) -> Any:
     if len(data) > MAX_PICKLE_BYTES:
         raise UnsafePickleError(f"{what}: refusing unsafe unpickling (a {profile.kind} pickle of "
                                 f"{len(data)} bytes; at most {MAX_PICKLE_BYTES} are read)")
-    return _Machine(bytes(data), profile, what).run()
+    machine = _Machine(bytes(data), profile, what)
+    try:
+        return machine.run()
+    except RecursionError:
+        raise machine.fail("nested too deeply") from None
+    except MemoryError:
+        raise machine.fail("the objects it builds do not fit in memory") from None
 
 
 class _Machine:
