@@ -55,7 +55,7 @@ LAYERS.update({
     f"{MEGATRON}.demo": CORE | {f"{MEGATRON}.model", f"{MEGATRON}.live", f"{MEGATRON}.cpu_shim"},
     f"{MEGATRON}.commands": {f"{MEGATRON}.demo"},
 })
-LEAVES = {"tenplex.errors", "tenplex.units"}
+LEAVES = {"tenplex.errors", "tenplex.units", "tenplex.limits"}
 """Modules every layer may import (they import nothing of tenplex)."""
 
 

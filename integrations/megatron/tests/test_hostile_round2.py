@@ -9,7 +9,6 @@ naming the file and the field, nothing written.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import pathlib
 import re

@@ -25,7 +25,6 @@ import io
 import math
 import os
 import re
-import stat
 import threading
 import warnings
 from collections import OrderedDict
@@ -37,8 +36,7 @@ import torch
 from tenplex.errors import CorruptShardError, UnsafePickleError
 from tenplex.limits import SAFE_REPR, short
 from tenplex.ptree.tree import DTYPES
-from tenplex.store import paths
-from tenplex.store.paths import regular_size
+from tenplex.store.paths import open_regular, regular_size as regular_file_size  # the one path rule
 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.torchfiles.ziprecords import check_stored
@@ -299,16 +297,6 @@ class _torch_globals:
                 _remove_safe_globals(TORCH_SAFE_GLOBALS)
 
 
-def regular_file_size(path: str, what: str) -> int:
-    """The size in bytes of the regular file at ``path`` (:func:`tenplex.store.paths.regular_size`).
-
-    Raises:
-        CorruptShardError: ``path`` is missing or not a regular file (a FIFO or a
-            device would block or never end).
-    """
-    return regular_size(path, what)
-
-
 class FileView(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of an open binary file, as a seekable file of its own."""
 
@@ -336,18 +324,6 @@ class FileView(io.RawIOBase):
         got = self.f.readinto(memoryview(buf)[:n])
         self.pos += got
         return got
-
-
-def open_regular(path: str, what: str, buffering: int = -1, root: str | None = None):
-    """Open the regular file at ``path`` for reading: ``(binary file, size in bytes)``, by the one
-    path rule (:func:`tenplex.store.paths.open_regular`: inside ``root`` where given, non-blocking,
-    ``fstat`` on the open descriptor).
-
-    Raises:
-        PathError: ``path`` resolves outside ``root``.
-        CorruptShardError: ``path`` is missing, unreadable or not a regular file.
-    """
-    return paths.open_regular(path, what, buffering, root)
 
 
 def _stream_size(f) -> int:
