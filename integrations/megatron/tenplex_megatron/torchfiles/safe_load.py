@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tenplex.errors import CorruptShardError, UnsafePickleError
+from tenplex.errors import CorruptShardError, TenplexError, UnsafePickleError
 from tenplex.limits import SAFE_REPR, short
 from tenplex.ptree.tree import DTYPES
 from tenplex.store.paths import open_regular, regular_size as regular_file_size  # the one path rule
@@ -338,9 +338,16 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
     start = f.tell()
     try:
         archive = torch._C.PyTorchFileReader(f)
-    except (RuntimeError, OSError, ValueError) as exc:  # torch's zip reader, seeking a cut file
-        raise CorruptShardError(f"{what}: not a torch zip archive ({str(exc).splitlines()[0]}); tenplex "
+        return _validate_archive(archive, f, start, size, what, rules)
+    except (RuntimeError, OSError, ValueError) as exc:  # torch's zip reader: a cut or corrupt archive
+        if isinstance(exc, TenplexError):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CorruptShardError(f"{what}: not a torch zip archive ({first}); tenplex "
                                 "reads torch.save's zip format only") from None
+
+
+def _validate_archive(archive, f, start: int, size: int, what: str, rules: dict) -> Any:
     if archive.has_record("constants.pkl"):
         raise UnsafePickleError(f"{what}: refusing a TorchScript archive")
     if not archive.has_record("data.pkl"):
