@@ -41,7 +41,7 @@ from tenplex.store.paths import open_regular, regular_size as regular_file_size 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.torchfiles.ziprecords import check_stored
 
-__all__ = ["safe_load", "load_tensor", "tensor_header", "tensor_place", "load_meta", "FileView", "ALLOWED_GLOBALS",
+__all__ = ["safe_load", "load_tensor", "tensor_header", "load_meta", "FileView", "ALLOWED_GLOBALS",
            "TORCH_SAFE_GLOBALS", "MAX_NDIM", "TORCH_DTYPES", "regular_file_size", "open_regular"]
 
 MAX_NDIM = 32
@@ -460,14 +460,6 @@ def load_meta(f, what: str) -> tuple[Any, Any]:
     """
     shadow = _validate(f, _stream_size(f), what, ALLOWED_GLOBALS)
     return _torch_load(f, what, False, "meta"), shadow
-
-
-def tensor_place(t: Any) -> tuple[torch.dtype, tuple, tuple, int] | None:
-    """``(dtype, shape, stride, first byte in the file)`` of a tensor in :func:`load_meta`'s
-    shadow, or None if ``t`` is not one."""
-    if not isinstance(t, _Tensor):
-        return None
-    return t.dtype, t.shape, t.stride, t.storage.offset + t.offset * t.dtype.itemsize
 
 
 def tensor_header(f, what: str, *, locate: bool = False) -> tuple:
