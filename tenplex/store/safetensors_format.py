@@ -185,6 +185,11 @@ def _entry(name, item, base: int, data: int, where: str) -> HeaderEntry:
     return HeaderEntry(name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
 
 
+def _plain(value) -> str:
+    """A value for a message: strings unquoted (cut at 80 characters), others as :func:`short`."""
+    return value[:80] if isinstance(value, str) else short(value)
+
+
 def _is_count(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
@@ -217,4 +222,4 @@ def check_header(entries: list[HeaderEntry], records, where: str) -> None:
         for field, want, got in zip(("dtype", "shape", "offset", "nbytes"), expected, found):
             if want != got:
                 raise CorruptShardError(f"{where}: safetensors header, tensor {rec.path!r}: "
-                                        f"{field}: the manifest says {short(want)}, the header {short(got)}")
+                                        f"{field}: the manifest says {_plain(want)}, the header {_plain(got)}")
