@@ -51,6 +51,10 @@ MAX_CHUNK_PAIRS = 1 << 22
 per tensor; a tensor needing more is refused."""
 
 
+MAX_KEY = 1024
+"""Longest key a DCP checkpoint may name (megatron-core's are under 200 characters)."""
+
+
 def item_file(root: str, relative_path: object) -> tuple[str, int]:
     """The path and size of an item's file, ``relative_path`` taken from DCP metadata.
 
@@ -87,8 +91,9 @@ def _check_types(md: Metadata, what: str) -> None:
     if md.planner_data is not None and type(md.planner_data) is not dict:
         raise ManifestError(f"{what}: planner_data is a {type(md.planner_data).__name__}, not a dict")
     for key, item in md.state_dict_metadata.items():
-        if type(key) is not str:
-            raise ManifestError(f"{what}: state_dict_metadata key {short(key, 80)} is not a str")
+        if type(key) is not str or len(key) > MAX_KEY:
+            raise ManifestError(f"{what}: state_dict_metadata key {short(key, 80)} is not a str of at most "
+                                f"{MAX_KEY} characters")
         if type(item) is BytesStorageMetadata:
             continue
         if type(item) is not TensorStorageMetadata or type(item.properties) is not TensorProperties \

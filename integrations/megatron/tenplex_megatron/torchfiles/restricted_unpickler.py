@@ -356,7 +356,7 @@ class _Machine:
         rule = self.profile.rules.get((module, name))
         if rule is None:
             why = (" (dotted names are not resolved)" if "." in name else "")
-            raise self.fail(f"global {module}.{name} is not in the {self.profile.kind} "
+            raise self.fail(f"global {module[:120]}.{name[:120]} is not in the {self.profile.kind} "
                             f"allow-list{why}")
         return rule if rule.value is None else rule.value
 
