@@ -14,6 +14,7 @@ import pickle
 import zipfile
 
 import torch
+from hypothesis import strategies as st
 
 from hostile_pickles import first_tensor_item, item_bytes, load_own_metadata, dump_metadata, repoint
 
@@ -76,4 +77,24 @@ def shared_refs_pickle(depth: int) -> bytes:
     return b"".join(out) + b"."
 
 
-__all__ = ["rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]
+@st.composite
+def mutated(draw, data: bytes) -> bytes:
+    """``data`` with a few random edits (flips, inserts, deletes, a cut, repeats of one byte)."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "insert", "delete", "cut", "repeat"]))
+        i = draw(st.integers(0, max(len(out) - 1, 0)))
+        if kind == "flip" and out:
+            out[i] = draw(st.integers(0, 255))
+        elif kind == "insert":
+            out[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif kind == "delete":
+            del out[i:i + draw(st.integers(1, 16))]
+        elif kind == "cut":
+            del out[i:]
+        elif kind == "repeat" and out:
+            out[i:i] = bytes([out[i]]) * draw(st.sampled_from([2, 100, 5000]))
+    return bytes(out)
+
+
+__all__ = ["mutated", "rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]

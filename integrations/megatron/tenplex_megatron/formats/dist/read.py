@@ -26,6 +26,7 @@ from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
+from tenplex.store.paths import check_inside
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.dist.buffers import chained, expected_flat
@@ -51,6 +52,7 @@ _COMMON_KNOWN = {"content_metadata", "iteration", "opt_param_scheduler", "optimi
 def read_common(root: str) -> dict:
     """``common.pt`` (allow-listed unpickling), or ``{}`` when there is none."""
     path = os.path.join(root, "common.pt")
+    check_inside(root, [path, os.path.join(root, ".metadata"), os.path.join(root, "metadata.json")])  # issue 20
     if not os.path.exists(path):
         return {}
     common = safe_load(path)
