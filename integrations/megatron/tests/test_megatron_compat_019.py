@@ -10,7 +10,8 @@ legacy and torch_dist checkpoints of a dense GPT and of an MoE GPT (4 experts, e
 0.16.1 beside it, which it does not import) reshards them to both formats, and 0.19.2 loads every
 output (tracker, then the iteration folder) with the source's logits within 2e-6.
 
-On e4220c6: ``common.pt has no args; pass the model config``.
+On e4220c6 the first reshard (of the iteration folder) fails: ``common.pt has no args; pass the model
+config``.
 """
 
 import os
@@ -84,7 +85,8 @@ def saved(tmp_path_factory):
 def test_019_checkpoints_reshard_and_load_in_019(saved, tmp_path):
     python, d = saved
     cases = [  # (source, target format, --to, worker, world, flags at the target, load as, logits)
-        (d / "dense" / "dist", "megatron-dist", "tp=1", "mcore_worker.py", 1, DENSE, "dist", "dense"),
+        (d / "dense" / "dist" / "iter_0000010", "megatron-dist", "tp=1", "mcore_worker.py", 1, DENSE, "dist",
+         "dense"),  # the iteration folder itself
         (d / "dense" / "dist", "megatron-legacy", "tp=1", "mcore_worker.py", 1, DENSE, "legacy", "dense"),
         (d / "dense" / "legacy", "megatron-dist", "tp=1,pp=2", "mcore_worker.py", 1, DENSE, "dist", "dense"),
         (d / "moe" / "dist", "megatron-dist", "dp=1", "moe_worker.py", 1, MOE, "dist", "moe"),
