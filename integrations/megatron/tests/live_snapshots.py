@@ -104,7 +104,6 @@ def run_old(process: int, out: str, root: str | None) -> None:
 
 def run_new(process: int, out: str, root: str | None) -> None:
     """The restarted job on this process (the default group is up): recovery from ``root``."""
-    import torch.distributed as dist
     from tenplex_megatron import live
     from tenplex_megatron.demo.job import train_step
 
