@@ -29,6 +29,17 @@ def rezip(path: pathlib.Path) -> None:
             zout.writestr(name, data)
 
 
+def own_storages(path: pathlib.Path) -> None:
+    """Re-save the legacy ``.pt`` at ``path`` with every model tensor in a storage of its own (as
+    Megatron-LM writes without the distributed optimizer's shared buffers): one record per tensor."""
+    import argparse
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        obj = torch.load(path, weights_only=False)
+    obj["model"] = type(obj["model"])((k, v.clone() if isinstance(v, torch.Tensor) else v)
+                                      for k, v in obj["model"].items())
+    torch.save(obj, path)
+
+
 def case_twin(blob: bytes) -> bytes:
     """The torch archive ``blob`` with its record ``data/0`` replaced by a stored decoy of zeros,
     followed by the real bytes, deflated, under ``DATA/0``: torch's reader, which matches names
@@ -97,4 +108,4 @@ def mutated(draw, data: bytes) -> bytes:
     return bytes(out)
 
 
-__all__ = ["mutated", "rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]
+__all__ = ["mutated", "own_storages", "rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]

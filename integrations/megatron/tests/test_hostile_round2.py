@@ -20,7 +20,7 @@ import torch
 
 from hostile_corpus import DOPT_PT, MODEL_PT, real_checkpoint
 from hostile_pickles import pt_edit, replace_value
-from hostile_round2 import args_edit, case_twin_item, rezip
+from hostile_round2 import args_edit, case_twin_item, own_storages, rezip
 from inprocess_cli import run_cli
 
 from tenplex.errors import CorruptShardError, UnsafePickleError
@@ -62,13 +62,14 @@ def _torch_tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- wrong weights, exit 0
 
 def test_rezipped_legacy_pt_is_read_exactly(real, tmp_path):
-    """A legacy ``.pt`` re-zipped by Python's zipfile is valid (torch.load reads it exactly); tenplex
-    placed its tensors where torch's own writer would have put them (wrong for 26 tensors)."""
+    """A legacy ``.pt`` (one storage per tensor) re-zipped by Python's zipfile is valid (torch.load
+    reads it exactly); tenplex placed its tensors where torch's own writer would have put them."""
     from tenplex_megatron.torchfiles.ptfile import load_refs
     ckpt = _copy(real, "legacy", tmp_path)
+    own_storages(ckpt / MODEL_PT)
+    want = _torch_tensors(ckpt / MODEL_PT)
     for rel in (MODEL_PT, DOPT_PT):
         rezip(ckpt / rel)
-    want = _torch_tensors(real / "legacy" / MODEL_PT)
     assert {k: torch.equal(v, want[k]) for k, v in _torch_tensors(ckpt / MODEL_PT).items()} == \
         {k: True for k in want}, "torch.load does not read the re-zipped file exactly"
     refs, _ = load_refs(str(ckpt / MODEL_PT))
@@ -81,6 +82,7 @@ def test_rezipped_legacy_pt_is_read_exactly(real, tmp_path):
 @pytest.mark.slow
 def test_rezipped_legacy_reshards_to_the_same_weights(real, tmp_path):
     ckpt = _copy(real, "legacy", tmp_path)
+    own_storages(ckpt / MODEL_PT)
     for rel in (MODEL_PT, DOPT_PT):
         rezip(ckpt / rel)
     out = tmp_path / "out"
