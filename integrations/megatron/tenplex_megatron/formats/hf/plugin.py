@@ -1,0 +1,56 @@
+"""The ``hf`` format for the tenplex CLI (entry point ``hf``, see ``tenplex/cli/formats.py``).
+
+Options read from ``**options`` (CLI flags the lead adds): ``hf_arch``
+(``--hf-arch``), ``dtype`` (``--dtype``), ``max_shard_size``
+(``--max-shard-size``), besides ``threads``, ``progress``, ``checksums``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tenplex.ptree.config import ParallelConfig
+
+__all__ = ["HF"]
+
+
+class _HF:
+    """Hugging Face model directories: ``config.json`` with ``model*.safetensors`` (and an index)."""
+
+    name = "hf"
+
+    @staticmethod
+    def detect(path: str) -> bool:
+        from tenplex_megatron.formats.hf.hfdir import is_hf_dir
+
+        return is_hf_dir(path)
+
+    @staticmethod
+    def describe(path: str, **options):
+        from tenplex_megatron.formats.hf.read import describe_hf
+
+        return describe_hf(path, options.get("model_config_overrides")).desc
+
+    @staticmethod
+    def open_source(path: str, **options):
+        from tenplex_megatron.formats.hf.read import open_hf
+
+        return open_hf(path, options.get("model_config_overrides"))
+
+    @staticmethod
+    def write(source, path: str, to: ParallelConfig | None = None, **options) -> dict:
+        """Export ``source`` to ``path`` (``to`` is ignored: an HF model is tp = pp = ep = 1)."""
+        from tenplex_megatron.formats.hf.export import export_hf
+
+        return export_hf(source, path, hf_arch=options.get("hf_arch"), dtype=options.get("dtype"),
+                         max_shard_size=options.get("max_shard_size"), threads=options.get("threads", 8),
+                         progress=options.get("progress"))
+
+    @staticmethod
+    def verify(path: str, **options) -> dict:
+        from tenplex_megatron.formats.hf.hfdir import verify_hf
+
+        return verify_hf(path, checksums=options.get("checksums", False), progress=options.get("progress"))
+
+
+HF = _HF()

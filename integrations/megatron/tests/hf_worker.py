@@ -1,0 +1,123 @@
+"""moe_worker.py with the settings a Hugging Face export must carry: norm epsilon, rope base,
+interleaved rope, llama3 rope scaling, q/k layernorm, a qkv bias and the router's pre-softmax.
+
+Launch with torchrun as moe_worker.py (same flags and output lines), plus::
+
+  --eps E                 layernorm_epsilon (TransformerConfig; Megatron-LM --norm-epsilon)
+  --rotary-base B         GPTModel rotary_base (--rotary-base)
+  --rotary-interleaved    TransformerConfig.rotary_interleaved
+  --rope-scaling F        GPTModel rope_scaling=True, rope_scaling_factor=F (--use-rope-scaling)
+  --qk-layernorm, --add-qkv-bias, --pre-softmax (moe_router_pre_softmax)
+  --tokens-out F          torch.save({"tokens": [batch, seq] int64}) of the logits' input tokens
+
+Every setting is also put in the checkpoint's args under Megatron-LM's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_worker  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--eps", type=float, default=1e-5)
+    p.add_argument("--rotary-base", type=int, default=10000)
+    p.add_argument("--rotary-interleaved", action="store_true")
+    p.add_argument("--rope-scaling", type=float, default=None)
+    p.add_argument("--qk-layernorm", action="store_true")
+    p.add_argument("--add-qkv-bias", action="store_true")
+    p.add_argument("--pre-softmax", action="store_true")
+    p.add_argument("--tokens-out", default=None)
+    extra, rest = p.parse_known_args(argv)
+    a = moe_worker.parse_args(rest)
+    vars(a).update(vars(extra))
+    return a
+
+
+class Worker(moe_worker.Worker):
+    def transformer_config(self):
+        c = super().transformer_config()
+        a = self.a
+        c.layernorm_epsilon = a.eps
+        c.rotary_interleaved = a.rotary_interleaved
+        c.add_qkv_bias = a.add_qkv_bias
+        c.qk_layernorm = a.qk_layernorm
+        c.moe_router_pre_softmax = a.pre_softmax
+        return c
+
+    def layer_spec(self, vp_stage):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        a = self.a
+        return get_gpt_layer_local_spec(num_experts=a.experts, moe_grouped_gemm=a.grouped_gemm,
+                                        qk_layernorm=a.qk_layernorm, normalization=a.norm)
+
+    def build(self):
+        from megatron.core.models.gpt import GPTModel
+
+        a, ps = self.a, self.ps
+        self.config = self.transformer_config()
+        self.models = []
+        for v in range(a.vpp or 1):
+            vp = v if a.vpp else None
+            self.models.append(GPTModel(
+                config=self.config, transformer_layer_spec=self.layer_spec(vp),
+                vocab_size=self.padded_vocab, max_sequence_length=a.max_pos,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                parallel_output=True, share_embeddings_and_output_weights=not a.untie,
+                position_embedding_type=a.position, rotary_base=a.rotary_base,
+                rope_scaling=a.rope_scaling is not None, rope_scaling_factor=a.rope_scaling or 8.0,
+                vp_stage=vp))
+        self.model = self.models[0]
+        self.ddps = self.optimizer = self.scheduler = None
+        if a.optimizer:
+            self.build_optimizer()
+
+    def megatron_args(self):
+        args = super().megatron_args()
+        a = self.a
+        vars(args).update(norm_epsilon=a.eps, rotary_base=a.rotary_base, rotary_interleaved=a.rotary_interleaved,
+                          use_rope_scaling=a.rope_scaling is not None, rope_scaling_factor=a.rope_scaling or 8.0,
+                          rotary_percent=1.0, rotary_seq_len_interpolation_factor=None,
+                          qk_layernorm=a.qk_layernorm, add_qkv_bias=a.add_qkv_bias,
+                          moe_router_pre_softmax=a.pre_softmax, moe_router_score_function="softmax",
+                          moe_router_topk_scaling_factor=None, apply_layernorm_1p=False,
+                          multi_latent_attention=False, mtp_num_layers=None)
+        return args
+
+    def write_tokens(self, path: str):
+        if self.dist.get_rank() == 0:
+            inputs = self.batch(global_batch=True)[0]
+            self.torch.save({"tokens": inputs}, path)
+        self.dist.barrier()
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    w = Worker(a)
+    if a.load == "legacy":
+        w.load_legacy(a.load_dir)
+    elif a.load == "dist":
+        w.load_dist(a.load_dir)
+    if a.save in ("legacy", "both"):
+        w.save_legacy(a.save_dir if a.save == "legacy" else os.path.join(a.save_dir, "legacy"))
+    if a.save in ("dist", "both"):
+        w.save_dist(a.save_dir if a.save == "dist" else os.path.join(a.save_dir, "dist"))
+    if a.logits_out:
+        w.write_logits(a.logits_out)
+    if a.tokens_out:
+        w.write_tokens(a.tokens_out)
+    w.dist.barrier()
+    w.dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
