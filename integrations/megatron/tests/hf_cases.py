@@ -17,9 +17,9 @@ BASE = ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --ffn 96 --swiglu --p
 MODELS = {
     # Llama: GQA, SwiGLU, RMSNorm, rope base 5e5, Megatron's eps 1e-5 (HF's default is 1e-6), untied
     "llama": BASE + " --untie --eps 1e-5 --rotary-base 500000",
-    # Qwen2: qkv bias, interleaved rope, llama3 scaling; d = 16, 32 tokens so that scaling shows
+    # Qwen2: qkv bias, interleaved rope, llama3 scaling; d = 16, 64 tokens so that scaling shows
     "qwen2": ("--layers 4 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --vocab 100 "
-              "--make-vocab-size-divisible-by 16 --seq 32 --untie --add-qkv-bias --rotary-interleaved "
+              "--make-vocab-size-divisible-by 16 --seq 64 --untie --add-qkv-bias --rotary-interleaved "
               "--rotary-base 1000000 --rope-scaling 32 --eps 1e-6"),
     # Qwen3: q/k layernorm, tied embeddings
     "qwen3": BASE + " --qk-layernorm --eps 1e-6 --rotary-base 1000000",
