@@ -20,7 +20,7 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+def hf_sources(tmp_path_factory):
     return source_cache(tmp_path_factory.mktemp("hf_src"))
 
 
@@ -31,8 +31,8 @@ def _hf(monkeypatch):
 
 @pytest.mark.parametrize("n,parallel", [(4, "--tp 2 --pp 2"), (2, "--pp 2 --vpp 2")], ids=["tp2pp2", "pp2vpp2"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_llama_export_loads_in_transformers(sources, tmp_path, n, parallel, fmt):
-    src = sources("llama", n, parallel)
+def test_llama_export_loads_in_transformers(hf_sources, tmp_path, n, parallel, fmt):
+    src = hf_sources("llama", n, parallel)
     out = tmp_path / "hf"
     done = export(src / fmt, out)
     assert done.returncode == 0, done.stderr
@@ -50,8 +50,8 @@ def test_llama_export_loads_in_transformers(sources, tmp_path, n, parallel, fmt)
     assert (hf_logits(out, tokens) - ref).abs().max().item() <= TOL
 
 
-def test_export_in_several_shards(sources, tmp_path):
-    src = sources("llama", 4, "--tp 2 --pp 2")
+def test_export_in_several_shards(hf_sources, tmp_path):
+    src = hf_sources("llama", 4, "--tp 2 --pp 2")
     out = tmp_path / "hf"
     done = export(src / "dist", out, "--max-shard-size", "100000") if _has_flag("--max-shard-size") else None
     if done is None:  # the CLI does not pass the flag yet: call the plugin as the CLI will
@@ -73,3 +73,13 @@ def _has_flag(flag: str) -> bool:
     from tenplex.cli.main import build_parser
 
     return flag in build_parser()._subparsers._group_actions[0].choices["reshard"].format_help()
+
+
+def test_a_feature_no_family_covers_is_refused_in_one_line(sources, tmp_path):
+    src = sources("mha", 1, 1)  # megatron-core GPT with LayerNorm, GeLU and learned positions
+    done = export(src / "legacy", tmp_path / "hf")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tenplex reshard: cannot export to Hugging Face: the checkpoint has a non-gated MLP (swiglu off), "
+        "which no family (llama, mixtral, qwen2, qwen3, qwen3_moe) expresses with its other features")
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.tenplex-partial-*"))
