@@ -24,9 +24,10 @@ MODELS = {
     # Qwen3: q/k layernorm, tied embeddings
     "qwen3": BASE + " --qk-layernorm --eps 1e-6 --rotary-base 1000000",
     # Mixtral: 4 experts, top-2, Megatron's default router (top-k, then softmax over them)
-    "mixtral": BASE + " --untie --experts 4 --topk 2 --moe-ffn 48 --eps 1e-5 --rotary-base 1000000",
+    "mixtral": BASE + " --untie --experts 4 --topk 2 --moe-ffn 48 --eps 1e-5 --rotary-base 1000000 --distinct-experts",
     # Qwen3-MoE: q/k layernorm, softmax before top-k (norm_topk_prob false)
-    "qwen3_moe": BASE + " --untie --experts 4 --topk 2 --moe-ffn 48 --qk-layernorm --pre-softmax --eps 1e-6",
+    "qwen3_moe": BASE + " --untie --experts 4 --topk 2 --moe-ffn 48 --qk-layernorm --pre-softmax --eps 1e-6 "
+                 "--distinct-experts",
 }
 FORMATS = {"legacy": "megatron-legacy", "dist": "megatron-dist"}
 

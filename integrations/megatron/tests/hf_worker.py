@@ -25,7 +25,7 @@ import moe_worker  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(add_help=False)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # else --ep would be taken for --eps
     p.add_argument("--eps", type=float, default=1e-5)
     p.add_argument("--rotary-base", type=int, default=10000)
     p.add_argument("--rotary-interleaved", action="store_true")
@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--add-qkv-bias", action="store_true")
     p.add_argument("--pre-softmax", action="store_true")
     p.add_argument("--tokens-out", default=None)
+    p.add_argument("--distinct-experts", action="store_true",
+                   help="re-draw each expert's weights from a seed of its layer and global id (megatron-core's "
+                        "CPU initialization gives ep ranks the same local experts)")
     extra, rest = p.parse_known_args(argv)
     a = moe_worker.parse_args(rest)
     vars(a).update(vars(extra))
@@ -76,9 +79,27 @@ class Worker(moe_worker.Worker):
                 rope_scaling=a.rope_scaling is not None, rope_scaling_factor=a.rope_scaling or 8.0,
                 vp_stage=vp))
         self.model = self.models[0]
+        if a.distinct_experts:
+            self.redraw_experts()
         self.ddps = self.optimizer = self.scheduler = None
         if a.optimizer:
             self.build_optimizer()
+
+    def redraw_experts(self):
+        """Expert ``local_experts.j`` of layer ``l`` on ep rank ``r`` gets N(0, 0.02) weights seeded by
+        ``(l, r * E / ep + j)``: experts differ by their global id, whatever ep saved them."""
+        import re
+
+        a, torch = self.a, self.torch
+        assert a.pp == 1 and a.etp == 1 and not a.vpp, "--distinct-experts needs pp = etp = 1"
+        per = a.experts // a.ep
+        for name, p in self.model.named_parameters():
+            m = re.search(r"layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc\d)", name)
+            if m:
+                layer, g = int(m.group(1)), self.ep_rank * per + int(m.group(2))
+                gen = torch.Generator().manual_seed(10_000 + 100 * layer + 10 * g + int(m.group(3)[-1]))
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
     def megatron_args(self):
         args = super().megatron_args()

@@ -7,11 +7,20 @@ Options read from ``**options`` (CLI flags the lead adds): ``hf_arch``
 
 from __future__ import annotations
 
-import os
+import json
 
 from tenplex.ptree.config import ParallelConfig
 
 __all__ = ["HF"]
+
+
+def _overrides(options: dict) -> dict | None:
+    """Megatron args from ``--model-config`` (a JSON file) that win over those made from ``config.json``."""
+    path = options.get("model_config")
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 class _HF:
@@ -29,13 +38,13 @@ class _HF:
     def describe(path: str, **options):
         from tenplex_megatron.formats.hf.read import describe_hf
 
-        return describe_hf(path, options.get("model_config_overrides")).desc
+        return describe_hf(path, _overrides(options)).desc
 
     @staticmethod
     def open_source(path: str, **options):
         from tenplex_megatron.formats.hf.read import open_hf
 
-        return open_hf(path, options.get("model_config_overrides"))
+        return open_hf(path, _overrides(options))
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig | None = None, **options) -> dict:
