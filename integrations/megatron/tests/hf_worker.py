@@ -34,6 +34,9 @@ def parse_args(argv=None):
     p.add_argument("--add-qkv-bias", action="store_true")
     p.add_argument("--pre-softmax", action="store_true")
     p.add_argument("--tokens-out", default=None)
+    p.add_argument("--hf-save", default=None,
+                   help="after --load (tp = pp = ep = 1): the whole model in memory to transformers and "
+                        "save_pretrained(DIR), timed as 'TIME hf_convert' (load included)")
     p.add_argument("--distinct-experts", action="store_true",
                    help="re-draw each expert's weights from a seed of its layer and global id (megatron-core's "
                         "CPU initialization gives ep ranks the same local experts)")
@@ -120,13 +123,54 @@ class Worker(moe_worker.Worker):
         self.dist.barrier()
 
 
+def save_pretrained(w, out: str) -> None:
+    """The in-memory conversion: the loaded model's state dict renamed and split into transformers'
+    tensors (the same transforms as the hf format), a transformers model built on the meta device,
+    ``load_state_dict(strict=True, assign=True)``, ``save_pretrained``."""
+    import time
+
+    import torch
+    import transformers
+
+    from tenplex_megatron.formats.hf.catalog import choose
+    from tenplex_megatron.formats.hf.export import _config_json
+    from tenplex_megatron.formats.hf.family import Model, TRANSFORMS, Transform, generic_key
+    from tenplex_megatron.formats.hf.fields import ModelFields
+    from tenplex_megatron.formats.hf.mapping import Job, apply, geometry
+    from tenplex_megatron.model.config import MegatronConfig
+
+    t = time.time()
+    args = w.megatron_args()
+    cfg, fields = MegatronConfig.from_args(args), ModelFields.from_args(args)
+    family, geo = choose(cfg, fields), geometry(cfg, fields)
+    tensors = {}
+    for key, value in w.model.state_dict().items():
+        if key.endswith("_extra_state"):
+            continue
+        generic, layer, expert = generic_key(key.replace(".", "/"))
+        names = tuple(n.format(i=layer, e=expert) for n in family.names[generic])
+        tensors.update(apply(Job(key, names, TRANSFORMS.get(generic, Transform.COPY), 0), value, geo, value.dtype))
+    config = transformers.AutoConfig.for_model(**_config_json(Model(cfg, fields), family, cfg.params_dtype))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.save_pretrained(out)
+    print(f"TIME hf_convert_only {time.time() - t:.2f}", flush=True)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     w = Worker(a)
+    import time
+
+    t = time.time()
     if a.load == "legacy":
         w.load_legacy(a.load_dir)
     elif a.load == "dist":
         w.load_dist(a.load_dir)
+    if a.hf_save:
+        save_pretrained(w, a.hf_save)
+        print(f"TIME hf_convert {time.time() - t:.2f}", flush=True)
     if a.save in ("legacy", "both"):
         w.save_legacy(a.save_dir if a.save == "legacy" else os.path.join(a.save_dir, "legacy"))
     if a.save in ("dist", "both"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from hf_cases import FORMATS, export, hf_logits, reference, source_cache, with_hf_format
 from tenplex_megatron.formats.hf import export as export_mod, mapping, transforms

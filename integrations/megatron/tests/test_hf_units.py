@@ -102,8 +102,8 @@ def test_hf_arch_overrides_and_refuses_what_it_cannot_express():
 
 def test_fields_come_from_args_with_megatron_defaults():
     f = ModelFields.from_args({"layernorm_epsilon": 1e-6, "rotary_base": 500000, "use_rope_scaling": True})
-    assert (f.norm_epsilon, f.rotary_base, f.use_rope_scaling, f.from_args) == (1e-6, 500000.0, True, True)
-    assert ModelFields.from_args(None) == ModelFields()
+    assert (f.norm_epsilon, f.rotary_base, f.use_rope_scaling, f.in_args) == (1e-6, 500000.0, True, True)
+    assert ModelFields.from_args(None) == ModelFields() and not ModelFields().in_args
     with pytest.raises(ConfigError, match="rotary_interleaved"):
         ModelFields.from_args({"rotary_interleaved": "yes"})
 

@@ -4,11 +4,13 @@ The source (a Megatron checkpoint read in place, or a tenplex store of one)
 is planned to tp = pp = ep = 1; the store executor builds each global
 tensor from byte-range reads, a few at a time in threads (the target
 builder's byte budget). Each tensor is transformed into its HF tensors
-(:mod:`~tenplex_megatron.formats.hf.mapping`), which join the current
-output shard; a shard is written with ``safetensors`` as soon as its last
-tensor is in, then dropped. The shard plan (which tensor goes in which
-file) is made from the shapes before any read, so the file names
-``model-0000i-of-0000N.safetensors`` are final from the start. Files are
+(:mod:`~tenplex_megatron.formats.hf.mapping`), which writer threads put
+at their offsets in their shard file (:class:`~.stwriter.ShardFile`: the
+header is written first, from the shapes) while the next tensors are read;
+at most ``budget`` bytes wait to be written. The shard plan (which tensor
+goes in which file) is made from the shapes before any read, so the file
+names ``model-0000i-of-0000N.safetensors`` are final from the start, and
+each file is checked with the ``safetensors`` package once complete. Files are
 written into a temporary sibling directory renamed to ``dst`` last.
 """
 
@@ -17,12 +19,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import torch
-
-from tenplex.errors import AlreadyExistsError, ConfigError
+from tenplex.errors import AlreadyExistsError, ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import torch_dtype
 
@@ -31,6 +32,7 @@ from tenplex_megatron.formats.hf.families.common import common_config
 from tenplex_megatron.formats.hf.family import Model
 from tenplex_megatron.formats.hf.fields import ModelFields
 from tenplex_megatron.formats.hf.mapping import Job, apply, geometry, jobs
+from tenplex_megatron.formats.hf.stwriter import ShardFile
 from tenplex_megatron.formats.target import BUDGET, TargetBuilder, megatron_meta
 
 __all__ = ["export_hf", "parse_size", "DEFAULT_SHARD", "WEIGHTS_ONLY"]
@@ -126,7 +128,7 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise AlreadyExistsError(f"{dst}: exists and is not an empty directory; the export writes a new one")
     notes = [WEIGHTS_ONLY, f"family {family.name} ({family.architecture})"]
-    if not fields.from_args:
+    if not fields.in_args:
         notes.append("the checkpoint carries no Megatron args: norm epsilon, rope and router settings are "
                      "megatron-core's defaults")
     if main:
@@ -152,26 +154,54 @@ def _name(i: int, n: int) -> str:
 
 
 def _write(source, files, geo, dtype, tmp, threads, progress, budget) -> tuple[dict[str, int], dict[str, str]]:
-    """Write every shard file as soon as its tensors are built; ``({file: bytes}, {HF name: file})``."""
-    from safetensors.torch import save_file  # noqa: PLC0415  (only when exporting)
-
-    sizes, weight_map = {}, {}
+    """Write every shard file, each tensor at its offset as soon as it is built (a pool of writer
+    threads, at most ``budget`` bytes waiting); ``({file: bytes}, {HF name: file})``."""
+    sizes, weight_map, shard_of = {}, {}, {}
+    for i, shard in enumerate(files):
+        for job in shard:
+            shard_of[job.path] = i
     order = [job for shard in files for job in shard]
-    with TargetBuilder(source, ParallelConfig(), threads=threads, budget=budget, progress=progress) as b:
-        stream = b.stream(0, [job.path for job in order])
-        for i, shard in enumerate(files):
-            tensors: dict[str, torch.Tensor] = {}
-            for job in shard:
-                path, tensor = next(stream)
-                assert path == job.path, (path, job.path)  # the stream keeps the order it was given
-                tensors.update(apply(job, tensor, geo, dtype))
+    left = [len(shard) for shard in files]
+    open_files: dict[int, ShardFile] = {}
+    pending: deque = deque()
+    try:
+        with TargetBuilder(source, ParallelConfig(), threads=threads, budget=budget, progress=progress) as b, \
+                ThreadPoolExecutor(max(1, threads)) as writers:  # its exit waits for every write
+            for job, (path, tensor) in zip(order, b.stream(0, [job.path for job in order])):
+                if path != job.path:
+                    raise ManifestError(f"export: built {path} where {job.path} was due")
+                i = shard_of[path]
+                if i not in open_files:
+                    name = _name(i, len(files))
+                    open_files[i] = ShardFile(os.path.join(tmp, name), [
+                        (n, dtype, s) for j in files[i] for n, s in zip(j.names, j.shapes)], {"format": "pt"})
+                    weight_map.update({n: name for j in files[i] for n in j.names})
+                out = apply(job, tensor, geo, dtype)
                 del tensor
-            name = _name(i, len(files))
-            save_file(tensors, os.path.join(tmp, name), metadata={"format": "pt"})
-            sizes[name] = os.path.getsize(os.path.join(tmp, name))
-            weight_map.update({k: name for k in tensors})
-            del tensors
+                pending.append((job.nbytes, i, [writers.submit(open_files[i].write, n, t) for n, t in out.items()]))
+                del out
+                _drain(pending, budget, left, open_files, sizes)
+            _drain(pending, 0, left, open_files, sizes)
+    finally:
+        for f in open_files.values():
+            if f.fd is not None:
+                os.close(f.fd)
+                f.fd = None
     return sizes, weight_map
+
+
+def _drain(pending: deque, budget: int, left: list[int], open_files: dict, sizes: dict) -> None:
+    """Wait for the oldest writes until at most ``budget`` bytes wait; close each finished file."""
+    while pending and sum(n for n, _, _ in pending) > budget:
+        _, i, futures = pending.popleft()
+        for future in futures:
+            future.result()
+        left[i] -= 1
+        if left[i] == 0:
+            f = open_files[i]
+            f.close()
+            f.fd = None
+            sizes[os.path.basename(f.path)] = f.size
 
 
 def _finish(tmp: str, weight_map: dict[str, str], total: int, config: dict) -> None:

@@ -38,7 +38,7 @@ class ModelFields:
         moe_router_topk_scaling_factor: a factor on the top-k weights, or None.
         multi_latent_attention: MLA (DeepSeek) attention.
         mtp_num_layers: multi-token-prediction layers, or None.
-        from_args: whether the values came from a checkpoint's args (else defaults).
+        in_args: whether the values came from a checkpoint's args (else all defaults).
     """
 
     norm_epsilon: float = 1e-5
@@ -55,14 +55,14 @@ class ModelFields:
     moe_router_topk_scaling_factor: float | None = None
     multi_latent_attention: bool = False
     mtp_num_layers: int | None = None
-    from_args: bool = False
+    in_args: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> "ModelFields":
         """Read the fields from Megatron's ``args`` (a Namespace, a mapping, or its JSON form).
 
         A field the args lack takes Megatron-LM's default; ``None`` args give
-        every default with ``from_args=False``.
+        every default with ``in_args=False``.
 
         Raises:
             ConfigError: a field of the wrong type.
@@ -72,7 +72,7 @@ class ModelFields:
         a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
         out = {}
         for f in fields(cls):
-            if f.name == "from_args":
+            if f.name == "in_args":
                 continue
             value = a.get(f.name)
             if value is None and f.name == "norm_epsilon":
@@ -80,7 +80,7 @@ class ModelFields:
             if value is None:
                 continue
             out[f.name] = _typed(f.name, value, f.default)
-        return cls(**out, from_args=True)
+        return cls(**out, in_args=True)
 
     @classmethod
     def from_json(cls, obj: Mapping) -> "ModelFields":
@@ -101,7 +101,7 @@ class ModelFields:
     def to_args(self) -> dict:
         """The Megatron-LM args these fields are (``norm_epsilon`` and the rest, by name)."""
         out = asdict(self)
-        out.pop("from_args")
+        out.pop("in_args")
         out["layernorm_epsilon"] = out["norm_epsilon"]
         return out
 

@@ -14,7 +14,7 @@ from tenplex_megatron.formats.hf.family import TRANSFORMS, Family, Transform, ge
 from tenplex_megatron.formats.hf.fields import ModelFields
 from tenplex_megatron.model.config import MegatronConfig
 
-__all__ = ["Job", "jobs", "geometry", "apply"]
+__all__ = ["Job", "jobs", "geometry", "apply", "out_shapes"]
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,14 @@ class Job:
         names: the HF names, one per output of ``transform``.
         transform: what is done to it.
         nbytes: bytes of the outputs at the output dtype.
+        shapes: the outputs' shapes, one per name.
     """
 
     path: str
     names: tuple[str, ...]
     transform: Transform
     nbytes: int
+    shapes: tuple[tuple[int, ...], ...] = ()
 
 
 def geometry(cfg: MegatronConfig, fields: ModelFields) -> tf.Geometry:
@@ -61,17 +63,32 @@ def jobs(tree, cfg: MegatronConfig, family: Family, itemsize: int, main_params: 
         if names is None:
             raise ConfigError(f"{family.architecture} has no name for Megatron tensor {path}")
         fmt = {"i": layer, "e": expert}
-        rows = cfg.vocab_size if TRANSFORMS.get(key) is Transform.VOCAB else leaf.shape[0]
-        numel = rows * prod(leaf.shape[1:])
+        transform = TRANSFORMS.get(key, Transform.COPY)
+        shapes = out_shapes(transform, tuple(leaf.shape), cfg)
         src = path
         if main_params:
             src = "optimizer/param/" + path.removeprefix("model/")
             if src not in tree.leaves:
                 raise ConfigError(f"--dtype float32 from main params: the checkpoint has no fp32 main "
                                   f"param of {path}")
-        out.append(Job(src, tuple(n.format(**fmt) for n in names), TRANSFORMS.get(key, Transform.COPY),
-                       numel * itemsize))
+        out.append(Job(src, tuple(n.format(**fmt) for n in names), transform,
+                       sum(prod(s) for s in shapes) * itemsize, shapes))
     return out
+
+
+def out_shapes(transform: Transform, shape: tuple[int, ...], cfg: MegatronConfig) -> tuple[tuple[int, ...], ...]:
+    """The HF tensors' shapes a transform makes of a Megatron tensor of ``shape`` (tp = 1, padded rows
+    excluded: the tree's shapes are logical)."""
+    rows, rest = shape[0], shape[1:]
+    if transform is Transform.QKV:
+        d = cfg.kv_channels
+        return ((cfg.num_attention_heads * d,) + rest, (cfg.num_query_groups * d,) + rest,
+                (cfg.num_query_groups * d,) + rest)
+    if transform is Transform.GATE_UP:
+        return ((rows // 2,) + rest,) * 2
+    if transform is Transform.VOCAB:
+        return ((cfg.vocab_size,) + rest,)
+    return (shape,)
 
 
 def apply(job: Job, tensor: torch.Tensor, geo: tf.Geometry, dtype: torch.dtype) -> dict[str, torch.Tensor]:
