@@ -84,3 +84,17 @@ def test_import_to_a_tenplex_store_and_back_is_bit_exact(hf_models, tmp_path):
         assert sorted(a.keys()) == sorted(b.keys())
         for key in a.keys():
             assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+
+
+def test_inspect_and_verify_read_an_hf_directory(hf_models):
+    import json
+
+    src = hf_models("llama")
+    done = run_cli(["inspect", str(src), "--json"])
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["format"] == "hf" and got["num_layers"] == 4 and got["config"]["tp"] == 1
+    assert any(r["path"] == "model/decoder/layers/3/self_attention/linear_qkv/weight" and r["shape"] == [96, 64]
+               for r in got["leaves"])
+    done = run_cli(["verify", str(src)])
+    assert done.returncode == 0 and "OK (hf)" in done.stdout, done.stderr
