@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from hf_cases import FORMATS, export, hf_logits, reference, source_cache, with_hf_format
@@ -83,3 +84,28 @@ def test_a_feature_no_family_covers_is_refused_in_one_line(sources, tmp_path):
         "tenplex reshard: cannot export to Hugging Face: the checkpoint has a non-gated MLP (swiglu off), "
         "which no family (llama, mixtral, qwen2, qwen3, qwen3_moe) expresses with its other features")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.tenplex-partial-*"))
+
+
+def test_float32_from_a_bf16_checkpoint_exports_the_main_params(tmp_path):
+    from mcore_helpers import MODELS, run_worker
+    from safetensors import safe_open as st_open
+
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex_megatron.formats.hf.plugin import HF
+    from tenplex_megatron.formats.plugin import LEGACY
+    from tenplex_megatron.formats.target import TargetBuilder
+
+    src = tmp_path / "bf16"
+    run_worker(2, 1, MODELS["gqa"], "--bf16", "--dist-opt", "--train-steps", "1", "--save", "legacy",
+               "--save-dir", str(src))
+    HF.write(LEGACY.open_source(str(src)), str(tmp_path / "f32"), None, dtype="float32")
+    HF.write(LEGACY.open_source(str(src)), str(tmp_path / "bf"), None)
+    leaf = "decoder/layers/1/mlp/linear_fc2/weight"
+    with TargetBuilder(LEGACY.open_source(str(src)), ParallelConfig()) as b:
+        main, param = b.leaf("optimizer/param/" + leaf, 0), b.leaf("model/" + leaf, 0)
+    with st_open(str(tmp_path / "f32" / "model-00001-of-00001.safetensors"), "pt") as f32, \
+            st_open(str(tmp_path / "bf" / "model-00001-of-00001.safetensors"), "pt") as bf:
+        got, kept = f32.get_tensor("model.layers.1.mlp.down_proj.weight"), bf.get_tensor("model.layers.1.mlp.down_proj.weight")
+    assert got.dtype == main.dtype == torch.float32 and torch.equal(got, main)
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, param)
+    assert not torch.equal(got, param.float()), "the main params must not be the upcast bf16 weights"
