@@ -91,7 +91,7 @@ def _config_json(model: Model, family, dtype: str) -> dict:
 
 def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None = None,
               max_shard_size: int | str | None = None, threads: int = 8,
-              progress: Callable[[int, int], None] | None = None, budget: int = BUDGET) -> dict:
+              progress: Callable[[int, int], None] | None = None, budget: int | None = None) -> dict:
     """Write ``source`` as a Hugging Face model directory at ``dst``.
 
     Args:
@@ -103,7 +103,10 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
         max_shard_size: the largest output file (bytes or ``"5GB"``), default 5 GB.
         threads: stored tensors read at once.
         progress: ``progress(done_bytes, total_bytes)`` of global tensors built.
-        budget: bytes of global tensors built ahead at once.
+        budget: bytes of global tensors built ahead, and of tensors waiting to be written, at once;
+            default a quarter of the largest output shard, within [64 MiB, 512 MiB] (the process
+            then holds about twice that beyond the tensor in hand, inside the memory bound
+            ``1.5 x (largest source file + largest output shard)``).
 
     Returns:
         ``{"bytes_written", "files", "family", "padding": [], "notes"}``.
@@ -125,6 +128,9 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
     tdtype = torch_dtype(out_dtype)
     work = jobs(source.tree, cfg, family, tdtype.itemsize, main_params=main)
     files = _shards(work, parse_size(max_shard_size))
+    if budget is None:
+        largest = max(sum(j.nbytes for j in shard) for shard in files)
+        budget = min(max(BUDGET, largest // 4), 8 * BUDGET)
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise AlreadyExistsError(f"{dst}: exists and is not an empty directory; the export writes a new one")
     notes = [WEIGHTS_ONLY, f"family {family.name} ({family.architecture})"]
