@@ -1,0 +1,119 @@
+"""``tenplex reshard`` under torchrun (issue 25): the same result as one process, one commit, fail together.
+
+Every multi-process test runs torchrun --standalone with gloo on this machine;
+each output is compared bit for bit with the single-process reshard's, and
+both with the source's assembled global tensors.
+"""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tenplex.api import load_global, reshard, verify
+from tenplex.errors import TenplexError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.store.safetensors_format import Entry
+from tenplex.store.split import split_files
+from tests.helpers.torchrun_reshard import descendants, gpt_store, torchrun, worker_rank
+
+SRC = ParallelConfig(dp=1, tp=2, pp=1)
+DST = "dp=1,tp=1,pp=4"
+
+
+def _same(a: dict, b: dict, tensors_only: bool = False) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+            assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+        elif not tensors_only:  # rank-scoped values (rng states) are keyed by config
+            assert a[k] == b[k], k
+
+
+def _run(nproc, src, dst, *, no_python=False, extra=()):
+    p = torchrun(nproc, ["reshard", str(src), str(dst), "--to", DST, "--format", "tenplex", "--json",
+                         "--threads", "2", *extra], no_python=no_python)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-4000:]
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def _check(src, dst, single, report, nproc):
+    verify(str(dst))
+    _same(load_global(str(dst)), load_global(str(single)))
+    _same(load_global(str(dst)), load_global(str(src)), tensors_only=True)
+    assert len(report["processes"]) == nproc
+    ranks = sorted(r for p in report["processes"] for r in p["ranks"])
+    assert ranks == list(range(ParallelConfig.parse(DST).world_size))
+
+
+def test_split_keeps_each_stage_on_one_process_and_balances_bytes():
+    config = ParallelConfig(dp=1, tp=2, pp=4)
+    entries = {r: [Entry(f"layer{config.coord(r).pp}", "float32", (100 + r,))] for r in range(8)}
+    parts = split_files(entries, 4, config)
+    assert sorted(r for p in parts for r in p) == list(range(8))
+    assert sorted(sorted({config.coord(r).pp for r in p}) for p in parts) == [[0], [1], [2], [3]]
+    # fewer stages than processes: a stage is split, every process gets work
+    parts = split_files(entries, 8, ParallelConfig(dp=1, tp=8, pp=1))
+    assert sorted(len(p) for p in parts) == [1] * 8
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_four_processes_write_what_one_process_writes_reading_each_byte_once(tmp_path):
+    src, dst, single = tmp_path / "src", tmp_path / "dst", tmp_path / "single"
+    gpt_store(str(src), SRC, layers=4, hidden=256)
+    one = reshard(str(src), str(single), ParallelConfig(dp=1, tp=1, pp=4), threads=2)
+    report = _run(4, src, dst)
+    _check(src, dst, single, report, 4)
+    # bytes: every process reads only what its files need, within checksum-block edges
+    assert report["bytes_read"] <= 1.05 * one.bytes_needed, (report, one.bytes_needed)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchrun_no_python_runs_the_console_script(tmp_path):
+    src, dst, single = tmp_path / "src", tmp_path / "dst", tmp_path / "single"
+    gpt_store(str(src), SRC, layers=2, hidden=128)
+    reshard(str(src), str(single), ParallelConfig(dp=1, tp=1, pp=4), threads=2)
+    report = _run(2, src, dst, no_python=True)
+    _check(src, dst, single, report, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_killed_worker_stops_every_process_commits_nothing_and_a_rerun_succeeds(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    gpt_store(str(src), SRC, layers=8, hidden=512)
+    job = torchrun(4, ["reshard", str(src), str(dst), "--to", DST, "--format", "tenplex", "--threads", "1"])
+    killed = None
+    deadline = time.time() + 240
+    while killed is None and time.time() < deadline and job.poll() is None:
+        if (dst / "shards").is_dir() and any((dst / "shards").iterdir()):  # mid-run: files being written
+            for pid in descendants(job.pid):
+                if worker_rank(pid) == 2:
+                    killed = pid
+                    os.kill(pid, signal.SIGKILL)
+                    break
+        time.sleep(0.01)
+    assert killed is not None, "no worker to kill: the job ended first"
+    t0 = time.time()
+    out, _ = job.communicate(timeout=60)  # within 60 s of the kill
+    assert time.time() - t0 < 60
+    assert job.returncode != 0, out[-3000:]
+    assert "rank: 2" in out and "SIGKILL" in out, out[-3000:]  # torchrun names the dead worker
+    assert not (dst / "manifest.json").exists()
+    with pytest.raises(TenplexError):
+        verify(str(dst))
+    time.sleep(1)
+    leftovers = list((dst / "shards").iterdir()) if (dst / "shards").is_dir() else []
+    assert leftovers == [], leftovers  # every process removed its files; process 0 the dead one's
+    rerun = torchrun(4, ["reshard", str(src), str(dst), "--to", DST, "--format", "tenplex", "--threads", "1"])
+    out, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, out[-3000:]
+    verify(str(dst))
+    _same(load_global(str(dst)), load_global(str(src)), tensors_only=True)
