@@ -34,16 +34,20 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TransferError
 from tenplex.formats import TENPLEX, detect, get_format
 from tenplex.ptree.config import ParallelConfig
 from tenplex.store.blocks import DEFAULT_BLOCK
 from tenplex.store.execute import StorePlanRunner, target_values
+from tenplex.store.hostcache import HostBlockCache, edge_blocks
 from tenplex.store.gathered import commit_gathered, records_from_json, remove_token_files
 from tenplex.store.split import split_files
 from tenplex.store.stream import MAX_OPEN_FILES, stream_targets
@@ -51,6 +55,7 @@ from tenplex.store.writer import StoreWriter
 from tenplex.transform.agree import check_same_inputs, tree_digest
 from tenplex.transform.comm import Comm, TorchComm
 from tenplex.transform.guard import TransferGuard
+from tenplex.transform.plan import FILL_CODE
 from tenplex.transform.planner import make_plan
 
 __all__ = ["under_torchrun", "init_group", "stop_on_sigterm", "reshard_distributed",
@@ -60,6 +65,9 @@ RESHARD_TIMEOUT = 30.0
 """Seconds a process may stay silent before the reshard fails on every process."""
 
 WHAT = "reshard"
+
+HOST_FOLDER = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+"""Where the processes of one host share edge blocks (a folder per run, removed at the end)."""
 
 
 def under_torchrun() -> bool:
@@ -105,6 +113,8 @@ class ProcessStats:
         bytes_needed: unique source bytes its files need.
         bytes_written: tensor bytes it wrote.
         seconds: its wall time, from entering the reshard to reporting its files.
+        bytes_shared: edge blocks it took from another process of its host
+            (:mod:`tenplex.store.hostcache`) instead of reading them again.
     """
 
     process: int
@@ -113,6 +123,7 @@ class ProcessStats:
     bytes_needed: int
     bytes_written: int
     seconds: float
+    bytes_shared: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,6 +247,7 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
         plan = make_plan(tree, source.config, to)
         writer = _open(guard, comm, dst, tree, to, source.meta, storage_options, block)
         mine = split_files(writer.entries(), comm.size, to)[comm.rank]
+        shared = _share_edges(source, plan, mine, writer.token)
         guard.phase("write")
         stats, written = _write(guard, comm, source, plan, writer, mine, threads, max_open_files,
                                 progress, start)
@@ -269,11 +281,13 @@ def _write(guard, comm, source, plan, writer, mine, threads, max_open_files, pro
                                    name="tenplex-progress", daemon=True)
         watcher.start()
     runner = StorePlanRunner(source, plan, threads)
+    host = getattr(source, "host_cache", None)
     try:
         stream_targets(runner, writer, threads=threads, max_open_files=max_open_files, ranks=mine)
         counter.flush()
         mine_stats = ProcessStats(comm.rank, mine, source.bytes_read, runner.bytes_needed,
-                                  writer.bytes_written, time.perf_counter() - start)
+                                  writer.bytes_written, time.perf_counter() - start,
+                                  host.bytes_shared if host is not None else 0)
         records = {k: asdict(v) for k, v in writer.records().items()}
         blob = json.dumps({"stats": asdict(mine_stats), "records": records}).encode()
         written = [json.loads(b) for b in guard.gather("written", blob)]
@@ -282,12 +296,35 @@ def _write(guard, comm, source, plan, writer, mine, threads, max_open_files, pro
         raise
     finally:
         runner.close()
+        if host is not None:  # after the gather (or a failure): no process reads any more
+            shutil.rmtree(host.folder, ignore_errors=True)
         stop.set()
         if watcher is not None:
             watcher.join()
     if progress is not None and comm.rank == 0:
         progress(writer.total, writer.total)
     return [ProcessStats(**w["stats"]) for w in written], written
+
+
+def _share_edges(source, plan, mine: list[int], token: str):
+    """Give a tenplex-store source a host folder for the edge blocks this process shares (or None).
+
+    The edge blocks are those of stored tensors this process reads that it
+    shares with stored tensors it does not (:func:`tenplex.store.hostcache.edge_blocks`).
+    """
+    manifest = getattr(source, "manifest", None)
+    if manifest is None or not hasattr(source, "host_cache"):
+        return None
+    cols = plan.table.cols
+    rows = np.isin(cols["dst"], np.asarray(mine, dtype=np.int32)) & (cols["kind"] != FILL_CODE)
+    paths = plan.table.paths
+    needed = set()
+    for p, r in set(zip(cols["path"][rows].tolist(), cols["src"][rows].tolist())):
+        rec = source.record(paths[p], r)
+        needed.add((rec.path, rec.rank))
+    folder = os.path.join(HOST_FOLDER, f"tenplex-reshard-{token}")
+    source.host_cache = HostBlockCache(folder, edge_blocks(manifest, needed))
+    return source.host_cache
 
 
 def _open(guard: TransferGuard, comm: Comm, dst, tree, to, meta, storage_options, block) -> StoreWriter:
