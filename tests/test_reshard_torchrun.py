@@ -87,7 +87,7 @@ def test_four_processes_write_what_one_process_writes_reading_each_byte_once(hal
 @pytest.mark.multiprocess
 def test_torchrun_no_python_runs_the_console_script(tmp_path):
     src, dst, single = tmp_path / "src", tmp_path / "dst", tmp_path / "single"
-    gpt_store(str(src), SRC, layers=2, hidden=128)
+    gpt_store(str(src), SRC, layers=4, hidden=128)
     reshard(str(src), str(single), ParallelConfig(dp=1, tp=1, pp=4), threads=2)
     report = _run(2, src, dst, no_python=True)
     _check(src, dst, single, report, 2)
