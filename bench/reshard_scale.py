@@ -16,7 +16,7 @@ source to the commit on process 0), so interpreter and torchrun start-up
 are not counted; the wall time of each command is printed beside them.
 Every output is verified and compared bit for bit with the 1-process output.
 With ``--repeat R`` the three commands run R times, interleaved, and the
-fastest of each counts (the machine may be shared).
+fastest of each counts, the floor's too (the machine may be shared).
 
 Printed per run: seconds, bytes read / needed / written, per process bytes
 read and seconds. The last line is JSON: ``two_over_one``, ``four_over_one``
@@ -124,7 +124,10 @@ def main() -> None:
                 if n not in results or r["seconds"] < results[n]["seconds"]:
                     results[n], walls[n] = r, wall
         sizes = [os.path.getsize(p) for p in glob.glob(os.path.join(work, "dst1", "shards", "*"))]
-        t_floor = floor(src, os.path.join(work, "floor"), sizes)
+        t_floor = float("inf")
+        for _ in range(args.repeat):
+            shutil.rmtree(os.path.join(work, "floor"), ignore_errors=True)
+            t_floor = min(t_floor, floor(src, os.path.join(work, "floor"), sizes))
         ref = load_global(os.path.join(work, "dst1"))
         for n in (1, 2, 4):
             verify(os.path.join(work, f"dst{n}"))

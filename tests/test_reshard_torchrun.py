@@ -151,3 +151,26 @@ def test_a_shared_edge_block_is_checked_and_a_bad_one_is_read_again(tmp_path):
     again.host_cache = HostBlockCache(str(tmp_path / "shm"), edges)
     assert torch.equal(again.read(rec).view(torch.uint8), want.view(torch.uint8))
     assert again.host_cache.bytes_shared > 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_bad_source_block_in_one_process_fails_every_process_with_its_message(tmp_path):
+    from tenplex.store.reader import StoreReader
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    gpt_store(str(src), SRC, layers=4, hidden=128)
+    m = StoreReader(str(src)).manifest
+    rec = max((r for r in m.tensors.values() if "layers/3/" in r.path and r.nbytes > 4096),
+              key=lambda r: r.offset)  # past the header's blocks (checked when the source opens)
+    path = src / rec.file
+    data = bytearray(path.read_bytes())
+    data[rec.offset + 100] ^= 0xFF  # a block only the process writing stage 3 reads
+    path.write_bytes(bytes(data))
+    job = torchrun(4, ["reshard", str(src), str(dst), "--to", DST, "--format", "tenplex"])
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0
+    lines = [line for line in out.splitlines() if line.startswith("tenplex reshard:")]
+    assert len(lines) == 4, out[-3000:]  # every process exits with one line
+    assert all("checksum mismatch" in line and "failed in phase 'write'" in line for line in lines), lines
+    assert not (dst / "manifest.json").exists()
+    assert not (dst / "shards").is_dir() or list((dst / "shards").iterdir()) == []
