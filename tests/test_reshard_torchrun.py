@@ -174,3 +174,33 @@ def test_a_bad_source_block_in_one_process_fails_every_process_with_its_message(
     assert all("checksum mismatch" in line and "failed in phase 'write'" in line for line in lines), lines
     assert not (dst / "manifest.json").exists()
     assert not (dst / "shards").is_dir() or list((dst / "shards").iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_without_an_agent_a_dead_process_is_named_by_every_other_after_the_timeout(half_gb, tmp_path):
+    # srun-style: every process started directly, no torchrun agent to stop the others
+    import socket
+    import subprocess
+    import sys
+    dst = tmp_path / "dst"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(4):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4", RANK=str(r),
+                   LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "tenplex", "reshard", str(half_gb), str(dst), "--to", DST,
+                                       "--format", "tenplex", "--threads", "1", "--timeout", "10"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.time() + 240
+    while not ((dst / "shards").is_dir() and any((dst / "shards").iterdir())) and time.time() < deadline:
+        time.sleep(0.01)
+    procs[2].kill()
+    outs = [p.communicate(timeout=60)[0] for p in procs]  # timeout 10 s plus a beat, well within 60
+    for r in (0, 1, 3):
+        assert procs[r].returncode == 1, outs[r][-2000:]
+        assert "reshard: process 2 stopped: no heartbeat for 10 s" in outs[r], outs[r][-2000:]
+    assert not (dst / "manifest.json").exists()
+    assert not (dst / "shards").is_dir() or list((dst / "shards").iterdir()) == []
