@@ -44,8 +44,8 @@ MAX_JSON_BYTES = _env("MAX_JSON_BYTES", 1 << 28)
 MAX_JSON_DEPTH = _env("MAX_JSON_DEPTH", 64)
 """Deepest nesting of arrays and objects in a JSON document."""
 
-MAX_JSON_NODES = _env("MAX_JSON_NODES", 1 << 23)
-"""Most arrays and objects in a JSON document (each costs ~60 bytes or more once parsed)."""
+MAX_JSON_NODES = _env("MAX_JSON_NODES", 1 << 22)
+"""Most arrays and objects in a JSON document (4 Mi; each costs ~60 bytes or more once parsed)."""
 
 MAX_SAFETENSORS_HEADER = _env("MAX_SAFETENSORS_HEADER", 1 << 26)
 """Largest safetensors JSON header, in bytes (64 MiB)."""

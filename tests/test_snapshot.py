@@ -73,6 +73,57 @@ class _Exploding(torch.Tensor):
         raise OSError("disk gone mid-copy")
 
 
+class _Stuck(torch.Tensor):
+    """A tensor whose copy never ends: it says so in a file, then sleeps (its process gets killed)."""
+
+    marker = ""
+
+    @staticmethod
+    def __new__(cls, t):
+        return torch.Tensor._make_subclass(cls, t)
+
+    def detach(self):
+        import time
+        open(_Stuck.marker, "w").close()
+        time.sleep(120)
+
+
+def _killed_mid_copy(root: str, marker: str) -> None:
+    tree = _tree()
+    snaps = Snapshotter(tree, OLD, 1, root=root)
+    snaps.save(materialize(tree, _truth(tree, 1), OLD, 1), 1)
+    snaps.wait()
+    state = materialize(tree, _truth(tree, 2), OLD, 1)
+    path = [p for p, v in state.items() if isinstance(v, torch.Tensor)][-1]
+    _Stuck.marker = marker
+    state[path] = _Stuck(state[path])
+    snaps.save(state, 2)
+    snaps.wait()
+
+
+@pytest.mark.multiprocess
+def test_a_process_killed_mid_copy_leaves_the_previous_snapshot_whole(tmp_path):
+    import signal
+    import time
+
+    marker = str(tmp_path / "copying")
+    proc = CTX.Process(target=_killed_mid_copy, args=(str(tmp_path), marker))
+    proc.start()
+    deadline = time.time() + 120
+    while not os.path.exists(marker) and time.time() < deadline and proc.is_alive():
+        time.sleep(0.05)
+    assert os.path.exists(marker)
+    os.kill(proc.pid, signal.SIGKILL)                 # mid-copy into slot 1
+    proc.join()
+    tree = _tree()
+    folder = os.path.join(str(tmp_path), "job", "rank-1")
+    assert read_head(folder) == {"latest": 0, "previous": None}
+    assert os.path.getsize(os.path.join(folder, "slot-1.bin")) > 0      # the copy had begun
+    offers, skipped = local_offers(str(tmp_path), "job")
+    assert [o[:3] for o in offers] == [[1, 1, 0]] and not skipped       # only the whole one is offered
+    _equal(load_snapshot(str(tmp_path), "job", 1, 0, tree), tree, OLD, 1, _truth(tree, 1))
+
+
 def test_a_lying_snapshot_is_refused_with_what_was_expected(tmp_path):
     tree = _tree()
     snaps = Snapshotter(tree, OLD, 0, root=str(tmp_path))

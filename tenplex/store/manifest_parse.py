@@ -21,7 +21,6 @@ expected and what was found. The stated limits:
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from math import prod
 from typing import Any
@@ -30,23 +29,24 @@ from tenplex.errors import ConfigError, LayoutError, ManifestError, PathError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, check_path
+from tenplex.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_WORLD, short
+from tenplex.store.bounded_json import load_json
 from tenplex.store.manifest import FORMAT, FileRecord, Manifest, TensorRecord
 
 __all__ = ["MAX_MANIFEST", "MAX_BLOCK", "MAX_DEPTH", "MAX_WORLD", "parse_manifest"]
 
-MAX_MANIFEST = 1 << 28
-"""Largest manifest read, in bytes (256 MiB: a 1 TB checkpoint in 1 MiB blocks needs ~40 MB)."""
+MAX_MANIFEST = MAX_JSON_BYTES
+"""Largest manifest read, in bytes (:data:`tenplex.limits.MAX_JSON_BYTES`, 256 MiB: a 1 TB
+checkpoint in 1 MiB blocks needs ~40 MB)."""
 
 MAX_BLOCK = 1 << 26
 """Largest checksum block, in bytes (64 MiB): a reader holds whole blocks in memory."""
 
-MAX_DEPTH = 64
-"""Deepest nesting of ``values`` and ``meta``."""
-
-MAX_WORLD = 1 << 16
-"""Most ranks a stored config may have."""
+MAX_DEPTH = MAX_JSON_DEPTH
+"""Deepest nesting of ``values`` and ``meta`` (:data:`tenplex.limits.MAX_JSON_DEPTH`)."""
 
 _MAX_INT = 1 << 60
+_SLACK = 4096  # holder classes beyond the listed records counted before giving up (then: missing records)
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -57,18 +57,12 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             malformed JSON, an unknown format version, or any field above
             (see the module docstring).
     """
-    if len(data) > MAX_MANIFEST:
-        raise ManifestError(f"{where}: expected at most {MAX_MANIFEST} bytes, found {len(data)}")
-    try:
-        obj = json.loads(data)
-    except RecursionError:
-        raise ManifestError(f"{where}: malformed JSON: nested too deeply") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{where}: malformed JSON: {exc}") from None
+    # size, depth, containers, long ints; 4 levels of envelope around values and meta (MAX_DEPTH each)
+    obj = load_json(data, where, max_bytes=MAX_MANIFEST, max_depth=MAX_DEPTH + 4)
     if not isinstance(obj, dict):
         raise ManifestError(f"{where}: expected a JSON object, found {type(obj).__name__}")
     if obj.get("format") != FORMAT:
-        raise ManifestError(f"{where}: unknown format {str(obj.get('format'))[:80]!r}; "
+        raise ManifestError(f"{where}: unknown format {short(obj.get('format'))}; "
                             f"this tenplex reads {FORMAT!r}")
     for key in ("config", "tree", "files", "tensors"):
         if key not in obj:
@@ -96,8 +90,7 @@ def _count(value: Any, field: str, lo: int = 0, hi: int = _MAX_INT) -> int:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return short(value)
 
 
 def _config(obj: Any, where: str) -> ParallelConfig:
@@ -129,7 +122,7 @@ def _files(obj: Any, where: str) -> dict[str, FileRecord]:
         raise ManifestError(f"{where}: files: expected an object, found {type(obj).__name__}")
     out = {}
     for key, item in obj.items():
-        field = f"{where}: files[{key!r}]"
+        field = f"{where}: files[{short(key)}]"
         try:
             check_path(key)
         except PathError as exc:
@@ -157,8 +150,14 @@ def _tensors(obj: Any, sharding: Sharding, files: dict[str, FileRecord],
     if not isinstance(obj, list):
         raise ManifestError(f"{where}: tensors: expected a list, found {type(obj).__name__}")
     tree = sharding.tree
-    shapes = {(path, holders.ranks[0]): holders.holding.shape
-              for path, _ in tree.tensors() for holders in sharding.classes(path)}
+    shapes: dict[tuple[str, int], tuple[int, ...]] = {}
+    for path, _ in tree.tensors():  # one record per holder class: stop as soon as there are too few
+        for holders in sharding.classes(path):
+            shapes[(path, holders.ranks[0])] = holders.holding.shape
+            if len(shapes) > len(obj) + _SLACK:
+                raise ManifestError(f"{where}: tensors: config {sharding.config} places more than "
+                                    f"{len(obj) + _SLACK} stored tensors (one per holder class); the "
+                                    f"manifest lists {len(obj)}")
     out: dict[tuple[str, int], TensorRecord] = {}
     for i, item in enumerate(obj):
         rec = _tensor(item, f"{where}: tensors[{i}]", shapes, tree, files)

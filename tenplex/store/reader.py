@@ -37,7 +37,7 @@ def open_manifest(root: StoreRoot) -> Manifest:
     where = f"{root}/{MANIFEST}"
     try:
         with translate_errors(where):
-            with root.fs.open(root.key(MANIFEST), "rb") as f:
+            with root.open_read(MANIFEST, where) as f:
                 data = f.read(MAX_MANIFEST + 1)
     except FileNotFoundError:
         leftovers = root.exists("shards")
@@ -258,7 +258,7 @@ class StoreReader:
         with translate_errors(where):
             try:
                 if self.root.local:  # a local file: read straight into place
-                    with open(self.root.key(key), "rb") as f:
+                    with self.root.open_read(key, where) as f:
                         for a, b in zip(starts, ends):
                             f.seek(a)
                             got = f.readinto(memoryview(span)[a - span_start: b - span_start])

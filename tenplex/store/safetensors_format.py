@@ -31,13 +31,15 @@ import struct
 from math import prod
 
 from tenplex.errors import CorruptShardError
+from tenplex.limits import MAX_SAFETENSORS_HEADER, short
 from tenplex.ptree.tree import DTYPES
+from tenplex.store.bounded_json import load_json
 
 __all__ = ["ST_CODES", "MAX_HEADER", "Entry", "HeaderEntry", "header_bytes", "header_length",
            "parse_header", "check_header"]
 
-MAX_HEADER = 100_000_000
-"""Largest JSON header accepted, in bytes (the ``safetensors`` library's own limit)."""
+MAX_HEADER = MAX_SAFETENSORS_HEADER
+"""Largest JSON header accepted, in bytes (:data:`tenplex.limits.MAX_SAFETENSORS_HEADER`, 64 MiB)."""
 
 
 def _code(name: str) -> str:
@@ -134,11 +136,8 @@ def parse_header(text: bytes, file_size: int, where: str) -> list[HeaderEntry]:
     Raises:
         CorruptShardError: naming the file, the tensor and the field.
     """
-    try:
-        obj = json.loads(bytes(text))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CorruptShardError(f"{where}: safetensors header: malformed JSON: "
-                                f"{str(exc)[:200] or type(exc).__name__}") from None
+    obj = load_json(bytes(text), f"{where}: safetensors header", max_bytes=MAX_HEADER,
+                    error=CorruptShardError)
     if not isinstance(obj, dict):
         raise CorruptShardError(f"{where}: safetensors header: expected a JSON object, "
                                 f"found {type(obj).__name__}")
@@ -150,12 +149,12 @@ def parse_header(text: bytes, file_size: int, where: str) -> list[HeaderEntry]:
     pos = base
     for prev, entry in zip([None] + out[:-1], out):
         if entry[3] < pos:
-            raise CorruptShardError(f"{where}: safetensors header: tensors {prev[0]!r} "
-                                    f"[{prev[3] - base}, {prev[4] - base}) and {entry[0]!r} "
+            raise CorruptShardError(f"{where}: safetensors header: tensors {short(prev[0])} "
+                                    f"[{prev[3] - base}, {prev[4] - base}) and {short(entry[0])} "
                                     f"[{entry[3] - base}, {entry[4] - base}) overlap")
         if entry[3] > pos:
             raise CorruptShardError(f"{where}: safetensors header: data_offsets leave bytes "
-                                    f"[{pos - base}, {entry[3] - base}) unused before {entry[0]!r}")
+                                    f"[{pos - base}, {entry[3] - base}) unused before {short(entry[0])}")
         pos = entry[4]
     if pos != file_size:
         raise CorruptShardError(f"{where}: safetensors header: tensors end at byte {pos}, "
@@ -164,12 +163,12 @@ def parse_header(text: bytes, file_size: int, where: str) -> list[HeaderEntry]:
 
 
 def _entry(name, item, base: int, data: int, where: str) -> HeaderEntry:
-    what = f"{where}: safetensors header: tensor {name!r}"
+    what = f"{where}: safetensors header: tensor {short(name)}"
     if not isinstance(item, dict):
         raise CorruptShardError(f"{what}: expected an object, found {type(item).__name__}")
     code, shape, offsets = item.get("dtype"), item.get("shape"), item.get("data_offsets")
     if code not in _NAMES:
-        raise CorruptShardError(f"{what}: dtype: expected one of {sorted(_NAMES)}, found {code!r}")
+        raise CorruptShardError(f"{what}: dtype: expected one of {sorted(_NAMES)}, found {short(code)}")
     if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
         raise CorruptShardError(f"{what}: shape: expected a list of non-negative integers, "
                                 f"found {str(shape)[:100]}")
@@ -184,6 +183,11 @@ def _entry(name, item, base: int, data: int, where: str) -> HeaderEntry:
         raise CorruptShardError(f"{what}: dtype {code} and shape {shape} make {nbytes} bytes, "
                                 f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")
     return HeaderEntry(name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+
+
+def _plain(value) -> str:
+    """A value for a message: strings unquoted (cut at 80 characters), others as :func:`short`."""
+    return value[:80] if isinstance(value, str) else short(value)
 
 
 def _is_count(n) -> bool:
@@ -206,7 +210,7 @@ def check_header(entries: list[HeaderEntry], records, where: str) -> None:
     names = {r.path for r in records}
     extra = sorted(set(by_name) - names)
     if extra:
-        raise CorruptShardError(f"{where}: safetensors header lists tensor {extra[0]!r}, "
+        raise CorruptShardError(f"{where}: safetensors header lists tensor {short(extra[0])}, "
                                 "which the manifest does not place in this file")
     for rec in records:
         e = by_name.get(rec.path)
@@ -218,4 +222,4 @@ def check_header(entries: list[HeaderEntry], records, where: str) -> None:
         for field, want, got in zip(("dtype", "shape", "offset", "nbytes"), expected, found):
             if want != got:
                 raise CorruptShardError(f"{where}: safetensors header, tensor {rec.path!r}: "
-                                        f"{field}: the manifest says {want}, the header {got}")
+                                        f"{field}: the manifest says {_plain(want)}, the header {_plain(got)}")

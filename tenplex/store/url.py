@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import fsspec
@@ -10,6 +11,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from tenplex.errors import PathError, StoreError
 from tenplex.ptree.tree import check_path
+from tenplex.store.paths import open_regular, regular_size, resolve_inside
 
 __all__ = ["StoreRoot", "translate_errors"]
 
@@ -53,11 +55,40 @@ class StoreRoot:
         """
         return f"{self.path}/{check_path(key)}"
 
+    def open_read(self, key: str, what: str | None = None):
+        """Open ``key`` for reading as a binary file.
+
+        On a local root the path rule applies (:mod:`tenplex.store.paths`):
+        the file must resolve inside the root and be a regular file (a FIFO
+        never blocks). Elsewhere fsspec opens it.
+
+        Raises:
+            PathError: ``key`` resolves outside the root.
+            CorruptShardError: a local ``key`` that is not a regular file.
+            FileNotFoundError: ``key`` does not exist.
+        """
+        if not self.local:
+            return self.fs.open(self.key(key), "rb")
+        full = resolve_inside(self.path, self.key(key), what or f"{self.url}/{key}")
+        if not os.path.lexists(full):
+            raise FileNotFoundError(full)
+        return open_regular(full, what or f"{self.url}/{key}")[0]
+
     def exists(self, key: str) -> bool:
         with translate_errors(self.url):
             return self.fs.exists(self.key(key))
 
     def size(self, key: str) -> int:
+        """The size of ``key`` in bytes (on a local root: a regular file inside the root).
+
+        Raises:
+            FileNotFoundError: ``key`` does not exist.
+        """
+        if self.local:
+            full = resolve_inside(self.path, self.key(key), f"{self.url}/{key}")
+            if not os.path.lexists(full):
+                raise FileNotFoundError(full)
+            return regular_size(full, f"{self.url}/{key}")
         with translate_errors(self.url):
             return self.fs.size(self.key(key))
 

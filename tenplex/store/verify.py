@@ -109,7 +109,7 @@ def _chunks(reader: StoreReader, key: str, size: int):
         if root.local:
             buf = memoryview(bytearray(min(CHUNK, max(size, 1))))
             left = size
-            with open(root.key(key), "rb") as f:
+            with root.open_read(key) as f:
                 while left:
                     n = f.readinto(buf[:min(left, len(buf))])
                     if not n:

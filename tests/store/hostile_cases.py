@@ -14,7 +14,7 @@ import json
 import struct
 from pathlib import Path
 
-from tenplex.errors import CorruptShardError, ManifestError
+from tenplex.errors import CorruptShardError, ManifestError, PathError
 from tenplex.store.blocks import BlockHasher
 
 MANIFEST = "manifest.json"
@@ -114,6 +114,25 @@ def _deep_manifest(root: Path) -> None:
     (root / MANIFEST).write_text(text + ', "extra": ' + "[" * depth + "]" * depth + "}")
 
 
+def _text_edit(fn):
+    """A case that rewrites the manifest's text with ``fn(text)``."""
+    def edit(root: Path) -> None:
+        (root / MANIFEST).write_text(fn((root / MANIFEST).read_text()))
+    return edit
+
+
+def _link_outside(what: str):
+    """A case that moves ``what`` (the manifest, ``shards/`` or the first shard file) beside the
+    store and leaves a symlink to it: a valid file, outside the checkpoint's root."""
+    def edit(root: Path) -> None:
+        import os
+        rel = _first_file(_load(root)) if what == "first-shard" else what
+        outside = root.parent / {"manifest.json": "outside.json", "shards": "outside"}.get(what, "outside.safetensors")
+        os.replace(root / rel, outside)
+        os.symlink(outside, root / rel)
+    return edit
+
+
 def _nested(depth: int):
     value: list = []
     for _ in range(depth):
@@ -178,9 +197,25 @@ CASES = [
     ("value-not-a-leaf", manifest_edit(lambda m: m["values"].update(nope=1)),
      ManifestError, M + r"values\['nope'\]: not a value leaf of the tree", "manifest"),
     ("deep-json", _deep_manifest,
-     ManifestError, M + r"malformed JSON: nested too deeply", "manifest"),
+     ManifestError, M + r"expected at most 68 levels of nesting, found 200\d\d\d", "manifest"),
     ("deep-meta", manifest_edit(lambda m: m.update(meta={"x": _nested(200)})),
+     ManifestError, M + r"expected at most 68 levels of nesting, found 20\d", "manifest"),
+    ("deep-meta-within-document", manifest_edit(lambda m: m.update(meta={"x": _nested(64)})),
      ManifestError, M + r"meta: expected at most 64 levels of nesting", "manifest"),
+    # issue 20
+    ("long-integer", _text_edit(lambda t: t.replace('"size": ', '"size": ' + "9" * 5000, 1)),
+     ManifestError, M + r"malformed JSON: an integer of 50\d\d digits \(at most 40\)", "manifest"),
+    ("many-containers", _text_edit(lambda t: t.rstrip().rstrip("}") + ', "extra": [' + "[]," * (1 << 22) + "[]]}"),
+     ManifestError, M + r"expected at most 4194304 arrays and objects, found \d+", "manifest"),
+    ("holder-classes-before-records", manifest_edit(lambda m: m["config"].update(dp=32768)),
+     ManifestError, M + r"tensors: config dp=32768,tp=2,pp=1 places more than \d+ stored tensors", "manifest"),
+    ("manifest-links-outside", _link_outside(MANIFEST),
+     PathError, M + r"resolves to .*outside\.json, outside the checkpoint directory", "manifest"),
+    ("shards-dir-links-outside", _link_outside("shards"),
+     PathError, r"/shards/[^:]+\.safetensors: resolves to .*/outside/[^,]+, outside the checkpoint", "shard"),
+    ("shard-file-links-outside", _link_outside("first-shard"),
+     PathError, r"/shards/[^:]+\.safetensors: resolves to .*outside\.safetensors, outside the checkpoint",
+     "shard"),
     ("st-length-beyond-file", _length_beyond_file,
      CorruptShardError, r"/shards/[^:]+\.safetensors: safetensors header length: expected at most "
      r"\d+ bytes \(file of \d+ bytes\), found \d+", "shard"),

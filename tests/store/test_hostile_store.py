@@ -154,3 +154,39 @@ def test_reshard_of_corrupt_data_leaves_nothing_at_the_destination(pristine, tmp
     _one_line(capsys, rf"{last.file}: checksum mismatch in block \d+ .* holding .*{last.path}")
     assert written  # target files had been written when the corruption was found
     assert not out.exists()
+
+
+def _in_thread(call, timeout: float = 60):
+    """``call()``'s exception (or None) from a daemon thread; a hang fails the test, not the session."""
+    import threading
+    out: list = []
+
+    def run():
+        try:
+            call()
+            out.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"hung for {timeout} s"
+    return out[0]
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "shard"])
+def test_fifo_is_refused_without_blocking(name, pristine, tmp_path):
+    """Issue 20: a ``manifest.json`` (or shard file) that is a FIFO hung ``tenplex`` and ``load`` forever."""
+    import os
+    from tenplex.errors import CorruptShardError
+    root = tmp_path / "fifo"
+    shutil.copytree(pristine, root)
+    rel = name if name == "manifest.json" else StoreReader(str(root)).manifest.tensors[
+        min(StoreReader(str(root)).manifest.tensors)].file
+    os.unlink(root / rel)
+    os.mkfifo(root / rel)
+    exc = _in_thread(lambda: load_global(str(root)))
+    assert isinstance(exc, CorruptShardError) and re.search(rf"{re.escape(rel)}: not a regular file", str(exc)), exc
+    exc = _in_thread(lambda: main(["verify", str(root)]) == 1 or (_ for _ in ()).throw(AssertionError("exit 0")))
+    assert exc is None, exc

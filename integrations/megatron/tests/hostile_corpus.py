@@ -242,7 +242,7 @@ META_CASES = [
     Case("meta-relpath-absolute", "dist", ".metadata", PathError, r"outside\.distcp' is absolute",
          _edit_md(_set_info(relative_path=lambda d, i: str(_outside(d, i)))), "metadata", "reshard"),
     Case("meta-relpath-symlink", "dist", ".metadata", PathError,
-         r"relative_path 'link\.distcp' resolves to .*outside\.distcp, outside the checkpoint directory",
+         r"relative_path 'link\.distcp': resolves to .*outside\.distcp, outside the checkpoint directory",
          _edit_md(_set_info(relative_path=_symlink)), "metadata"),
     Case("meta-relpath-fifo", "dist", "pipe.distcp", CorruptShardError, r"not a regular file",
          _edit_md(_set_info(relative_path=_fifo)), "metadata", "verify"),

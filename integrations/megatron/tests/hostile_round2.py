@@ -14,6 +14,7 @@ import pickle
 import zipfile
 
 import torch
+from hypothesis import strategies as st
 
 from hostile_pickles import first_tensor_item, item_bytes, load_own_metadata, dump_metadata, repoint
 
@@ -26,6 +27,17 @@ def rezip(path: pathlib.Path) -> None:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
         for name, data in entries:
             zout.writestr(name, data)
+
+
+def own_storages(path: pathlib.Path) -> None:
+    """Re-save the legacy ``.pt`` at ``path`` with every model tensor in a storage of its own (as
+    Megatron-LM writes without the distributed optimizer's shared buffers): one record per tensor."""
+    import argparse
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        obj = torch.load(path, weights_only=False)
+    obj["model"] = type(obj["model"])((k, v.clone() if isinstance(v, torch.Tensor) else v)
+                                      for k, v in obj["model"].items())
+    torch.save(obj, path)
 
 
 def case_twin(blob: bytes) -> bytes:
@@ -76,4 +88,24 @@ def shared_refs_pickle(depth: int) -> bytes:
     return b"".join(out) + b"."
 
 
-__all__ = ["rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]
+@st.composite
+def mutated(draw, data: bytes) -> bytes:
+    """``data`` with a few random edits (flips, inserts, deletes, a cut, repeats of one byte)."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "insert", "delete", "cut", "repeat"]))
+        i = draw(st.integers(0, max(len(out) - 1, 0)))
+        if kind == "flip" and out:
+            out[i] = draw(st.integers(0, 255))
+        elif kind == "insert":
+            out[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif kind == "delete":
+            del out[i:i + draw(st.integers(1, 16))]
+        elif kind == "cut":
+            del out[i:]
+        elif kind == "repeat" and out:
+            out[i:i] = bytes([out[i]]) * draw(st.sampled_from([2, 100, 5000]))
+    return bytes(out)
+
+
+__all__ = ["mutated", "own_storages", "rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]

@@ -47,6 +47,8 @@ def url(out: str) -> str:
 def old_job(process: int, port: int, out: str) -> None:
     try:
         _old_job(process, port, out)
+        import torch.distributed as dist
+        dist.destroy_process_group()
     except BaseException:
         w.write(out, f"error-old-{process}", traceback.format_exc())
         raise
@@ -55,23 +57,35 @@ def old_job(process: int, port: int, out: str) -> None:
 def new_job(process: int, port: int, out: str) -> None:
     try:
         _new_job(process, port, out)
+        import torch.distributed as dist
+        dist.destroy_process_group()
     except BaseException:
         w.write(out, f"error-new-{process}", traceback.format_exc())
         raise
 
 
 def _old_job(process: int, port: int, out: str) -> None:
+    _group(process, 4, port)
+    run_old(process, out, roots(out)[process // 2])
+
+
+def _new_job(process: int, port: int, out: str) -> None:
+    _group(process, 2, port)
+    run_new(process, out, roots(out)[0])
+
+
+def run_old(process: int, out: str, root: str | None) -> None:
+    """The old job on this process (the default group is up): snapshots into ``root``."""
     import torch.distributed as dist
     from tenplex_megatron import live
     from tenplex_megatron.demo.job import train_step
 
-    _group(process, 4, port)
     _, opts, spec, build, corpus = s._job()
     config = ParallelConfig.parse(CONFIG)
     live.init_parallel_state(config, w.SEED)
     reference = s._start(config, FINAL)[1]          # the run without a failure
     parts, losses, consumed = s._start(config, 0)[0], {}, 0
-    root, checkpoint = roots(out)[process // 2], url(out)     # this host's folder; the shared checkpoint
+    checkpoint = url(out)     # the shared checkpoint
     # the lines marked `# docs` are those docs/megatron.md shows (test_docs_snippets checks them)
     snaps = live.Snapshots(spec, config, root=root)                                              # docs
     for step in range(1, STEPS + 1):
@@ -86,17 +100,15 @@ def _old_job(process: int, port: int, out: str) -> None:
     dist.barrier()
     parts = None
     live.destroy_parallel_state()
-    dist.destroy_process_group()
 
 
-def _new_job(process: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def run_new(process: int, out: str, root: str | None) -> None:
+    """The restarted job on this process (the default group is up): recovery from ``root``."""
     from tenplex_megatron import live
     from tenplex_megatron.demo.job import train_step
 
-    _group(process, 2, port)
     _, opts, spec, build, corpus = s._job()
-    new, seed, root, checkpoint = ParallelConfig.parse(NEW), w.SEED, roots(out)[0], url(out)
+    new, seed, checkpoint = ParallelConfig.parse(NEW), w.SEED, url(out)
     done = live.recover_from_snapshots(build, spec=spec, new=new, seed=seed, store=checkpoint, root=root)  # docs
     parts = done.parts                                                                           # docs
     consumed, losses = done.imported.consumed_samples, {}                                        # docs
@@ -108,4 +120,3 @@ def _new_job(process: int, port: int, out: str) -> None:
                              "sent": done.report.sent, "rolled_back_to": done.rolled_back_to})
     done = parts = None
     live.destroy_parallel_state()
-    dist.destroy_process_group()

@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dispatcher", default="allgather")
     add("--sp", choices=["on", "off"], default=None)
     add("--cp-in-config", action="store_true")
+    add("--names", choices=["local", "te"], default="local",
+        help="te: legacy files under TransformerEngine's names and torch_dist keys as the TE spec's "
+             "(megatron-core's own sharded_state_dict_keys_map; moe_checkpoint.te_prefixes)")
     add("--no-te-gemm-fix", action="store_true", help="do not set moe_utils.te_general_gemm = None")
     add("--load", choices=["none", "legacy", "dist"], default="none")
     add("--load-dir", default=None)
@@ -276,6 +279,11 @@ class Worker(CheckpointMixin, RunMixin):
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                 parallel_output=True, share_embeddings_and_output_weights=not a.untie,
                 position_embedding_type=a.position, vp_stage=vp))
+        if a.names == "te":
+            from moe_checkpoint import use_te_dist_names
+
+            for m in self.models:
+                use_te_dist_names(m)
         self.model = self.models[0]
         self.ddps = None
         self.optimizer = None

@@ -35,7 +35,9 @@ class _Megatron(FormatConformance):
     def make_state(self, tree, config):
         state = random_state(tree, config, seed=7)
         state.update({"megatron/iteration": 5, "megatron/checkpoint_version": 3.0, "megatron/args": ARGS,
-                      "megatron/opt_param_scheduler": None, "megatron/optimizer": None})
+                      "megatron/opt_param_scheduler": None, "megatron/optimizer": None,
+                      "megatron/num_floating_point_operations_so_far": 0,
+                      "megatron/extra": None})
         return state
 
     def meta(self, tree):

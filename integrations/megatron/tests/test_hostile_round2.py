@@ -9,7 +9,6 @@ naming the file and the field, nothing written.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import pathlib
 import re
@@ -21,10 +20,10 @@ import torch
 
 from hostile_corpus import DOPT_PT, MODEL_PT, real_checkpoint
 from hostile_pickles import pt_edit, replace_value
-from hostile_round2 import args_edit, case_twin_item, rezip
+from hostile_round2 import args_edit, case_twin_item, own_storages, rezip
 from inprocess_cli import run_cli
 
-from tenplex.errors import CorruptShardError, ManifestError, TenplexError, UnsafePickleError
+from tenplex.errors import CorruptShardError, UnsafePickleError
 
 TIMEOUT = 120
 
@@ -63,13 +62,14 @@ def _torch_tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- wrong weights, exit 0
 
 def test_rezipped_legacy_pt_is_read_exactly(real, tmp_path):
-    """A legacy ``.pt`` re-zipped by Python's zipfile is valid (torch.load reads it exactly); tenplex
-    placed its tensors where torch's own writer would have put them (wrong for 26 tensors)."""
+    """A legacy ``.pt`` (one storage per tensor) re-zipped by Python's zipfile is valid (torch.load
+    reads it exactly); tenplex placed its tensors where torch's own writer would have put them."""
     from tenplex_megatron.torchfiles.ptfile import load_refs
     ckpt = _copy(real, "legacy", tmp_path)
+    own_storages(ckpt / MODEL_PT)
+    want = _torch_tensors(ckpt / MODEL_PT)
     for rel in (MODEL_PT, DOPT_PT):
         rezip(ckpt / rel)
-    want = _torch_tensors(real / "legacy" / MODEL_PT)
     assert {k: torch.equal(v, want[k]) for k, v in _torch_tensors(ckpt / MODEL_PT).items()} == \
         {k: True for k in want}, "torch.load does not read the re-zipped file exactly"
     refs, _ = load_refs(str(ckpt / MODEL_PT))
@@ -82,6 +82,7 @@ def test_rezipped_legacy_pt_is_read_exactly(real, tmp_path):
 @pytest.mark.slow
 def test_rezipped_legacy_reshards_to_the_same_weights(real, tmp_path):
     ckpt = _copy(real, "legacy", tmp_path)
+    own_storages(ckpt / MODEL_PT)
     for rel in (MODEL_PT, DOPT_PT):
         rezip(ckpt / rel)
     out = tmp_path / "out"
@@ -173,5 +174,34 @@ def test_object_count_per_pickle_is_bounded(monkeypatch):
                     "x.pkl")
 
 
-def test_refusals_are_tenplex_errors():
-    assert issubclass(CorruptShardError, TenplexError) and issubclass(ManifestError, TenplexError)
+def test_refused_legacy_write_leaves_no_output_folder(real, tmp_path, monkeypatch):
+    """A ``reshard --format megatron-legacy`` refused while files are written left an empty folder."""
+    from tenplex_megatron.formats.legacy import write as legacy_write
+
+    def refuse(*args, **kwargs):
+        raise CorruptShardError("model_optim_rng.pt: refused while writing (a source lie found mid-write)")
+
+    monkeypatch.setattr(legacy_write, "_write_rank", refuse)
+    ckpt = _copy(real, "legacy", tmp_path)
+    _refused(tmp_path, ["reshard", str(ckpt), str(tmp_path / "out"), "--to", "dp=1,tp=1,pp=1",
+                        "--format", "megatron-legacy"], "model_optim_rng.pt", "refused while writing")
+
+
+# ---------------------------------------------------------------- reads outside the checkpoint
+
+def _move_out(ckpt: pathlib.Path, rel: str) -> None:
+    """Move ``rel`` beside the checkpoint and leave a symlink to it: a valid file, outside the root."""
+    outside = ckpt.parent / f"outside-{pathlib.PurePath(rel).name}"
+    os.replace(ckpt / rel, outside)
+    os.symlink(outside, ckpt / rel)
+
+
+@pytest.mark.parametrize("fmt,rel", [("legacy", MODEL_PT), ("legacy", DOPT_PT), ("legacy", "iter_0000010"),
+                                     ("dist", "common.pt"), ("dist", ".metadata")])
+def test_links_out_of_the_checkpoint_are_refused(real, tmp_path, fmt, rel):
+    """Symlinks were followed everywhere but DCP's relative_path: a link to a private file printed
+    its size (and block digests would have leaked its hashes)."""
+    ckpt = _copy(real, fmt, tmp_path)
+    _move_out(ckpt, rel)
+    _refused(tmp_path, ["inspect", str(ckpt)], pathlib.PurePath(rel).name,
+             r"resolves to .*outside-.*, outside the checkpoint directory")

@@ -13,6 +13,7 @@ match the static run within 1e-6.
 
 import pytest
 
+from mcore_checkpoint import megatron_load_dir
 from mcore_helpers import tenplex
 from moe_cases import FORMATS, check_resumed, source_cache
 
@@ -63,7 +64,7 @@ def test_written_dist_keys_are_megatrons(sources, tmp_path):
     assert done.returncode == 0, done.stderr
 
     def table(root):
-        md = FileSystemReader(str(root)).read_metadata().state_dict_metadata
+        md = FileSystemReader(megatron_load_dir(str(root))).read_metadata().state_dict_metadata
         return {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None for k, v in md.items()
                 if not k.startswith("rng_state/")}  # the legacy source has RNG states, megatron's save none
 

@@ -32,6 +32,7 @@ import torch
 
 from tenplex.errors import CorruptShardError, ManifestError, PathError
 from tenplex.limits import short
+from tenplex.store.paths import resolve_inside
 
 from tenplex_megatron.dcp.records import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                           MetadataIndex, StorageInfo, StorageMeta, TensorProperties,
@@ -48,6 +49,10 @@ MAX_OBJECT_BYTES = 256 << 20
 MAX_CHUNK_PAIRS = 1 << 22
 """The most chunk pairs whose first-axis ranges overlap that the disjointness check compares
 per tensor; a tensor needing more is refused."""
+
+
+MAX_KEY = 1024
+"""Longest key a DCP checkpoint may name (megatron-core's are under 200 characters)."""
 
 
 def item_file(root: str, relative_path: object) -> tuple[str, int]:
@@ -68,9 +73,7 @@ def item_file(root: str, relative_path: object) -> tuple[str, int]:
     if "/" in relative_path or "\\" in relative_path or "\0" in relative_path or relative_path == ".":
         raise PathError(f"{what} is not a plain file name in the checkpoint directory")
     path = os.path.join(root, relative_path)
-    real, real_root = os.path.realpath(path), os.path.realpath(root)
-    if os.path.commonpath([real, real_root]) != real_root or real == real_root:
-        raise PathError(f"{what} resolves to {real}, outside the checkpoint directory {real_root}")
+    real = resolve_inside(root, path, what)  # the one path rule (tenplex.store.paths)
     return path, regular_file_size(real, path)
 
 
@@ -88,8 +91,9 @@ def _check_types(md: Metadata, what: str) -> None:
     if md.planner_data is not None and type(md.planner_data) is not dict:
         raise ManifestError(f"{what}: planner_data is a {type(md.planner_data).__name__}, not a dict")
     for key, item in md.state_dict_metadata.items():
-        if type(key) is not str:
-            raise ManifestError(f"{what}: state_dict_metadata key {short(key, 80)} is not a str")
+        if type(key) is not str or len(key) > MAX_KEY:
+            raise ManifestError(f"{what}: state_dict_metadata key {short(key, 80)} is not a str of at most "
+                                f"{MAX_KEY} characters")
         if type(item) is BytesStorageMetadata:
             continue
         if type(item) is not TensorStorageMetadata or type(item.properties) is not TensorProperties \

@@ -179,7 +179,7 @@ def read_checked(root: str) -> tuple[Metadata, dict]:
     path = os.path.join(root, ".metadata")
     if not os.path.lexists(path):
         raise ManifestError(f"{path}: DCP metadata is missing")
-    f, size = open_regular(path, path)
+    f, size = open_regular(path, path, root=root)
     with f:
         if size > MAX_PICKLE_BYTES:
             raise UnsafePickleError(f"{path}: {size} bytes (at most {MAX_PICKLE_BYTES} are read)")

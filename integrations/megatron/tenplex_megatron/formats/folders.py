@@ -61,7 +61,7 @@ def read_tracker(root: str) -> int | str:
         ManifestError: the file is not a regular file, or holds no iteration number.
     """
     path = os.path.join(root, TRACKER)
-    f, _ = open_regular(path, path)
+    f, _ = open_regular(path, path, root=root)
     with f:
         text = f.read(64).decode("utf-8", "replace").strip()
     if text == "release":

@@ -32,7 +32,7 @@ import torch
 from tenplex.errors import ManifestError
 from tenplex.limits import Walk, short
 
-from tenplex_megatron.torchfiles.safe_load import FileView, load_meta, open_regular, tensor_header, tensor_place
+from tenplex_megatron.torchfiles.safe_load import FileView, _Tensor, load_meta, open_regular, tensor_header
 
 __all__ = ["TensorRef", "Window", "load_refs", "locate_tensor", "tensor_ref", "read_runs", "GAP"]
 
@@ -280,3 +280,11 @@ def _ref(t: torch.Tensor, place: tuple | None, path: str, start: int, end: int, 
                             "tensor; the pickle is inconsistent")
     dtype, shape, stride, first = place
     return tensor_ref(path, start, end - start, (dtype, shape, stride, first), what)
+
+
+def tensor_place(t: Any) -> tuple[torch.dtype, tuple, tuple, int] | None:
+    """``(dtype, shape, stride, first byte in the file)`` of a tensor in :func:`load_meta`'s
+    shadow, or None if ``t`` is not one."""
+    if not isinstance(t, _Tensor):
+        return None
+    return t.dtype, t.shape, t.stride, t.storage.offset + t.offset * t.dtype.itemsize

@@ -135,7 +135,13 @@ def unpickle(data: bytes, profile: Profile, what: str) -> Any:
     if len(data) > MAX_PICKLE_BYTES:
         raise UnsafePickleError(f"{what}: refusing unsafe unpickling (a {profile.kind} pickle of "
                                 f"{len(data)} bytes; at most {MAX_PICKLE_BYTES} are read)")
-    return _Machine(bytes(data), profile, what).run()
+    machine = _Machine(bytes(data), profile, what)
+    try:
+        return machine.run()
+    except RecursionError:
+        raise machine.fail("nested too deeply") from None
+    except MemoryError:
+        raise machine.fail("the objects it builds do not fit in memory") from None
 
 
 class _Machine:
@@ -350,7 +356,7 @@ class _Machine:
         rule = self.profile.rules.get((module, name))
         if rule is None:
             why = (" (dotted names are not resolved)" if "." in name else "")
-            raise self.fail(f"global {module}.{name} is not in the {self.profile.kind} "
+            raise self.fail(f"global {module[:120]}.{name[:120]} is not in the {self.profile.kind} "
                             f"allow-list{why}")
         return rule if rule.value is None else rule.value
 

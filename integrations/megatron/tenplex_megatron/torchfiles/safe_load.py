@@ -25,7 +25,6 @@ import io
 import math
 import os
 import re
-import stat
 import threading
 import warnings
 from collections import OrderedDict
@@ -34,14 +33,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from tenplex.errors import CorruptShardError, UnsafePickleError
+from tenplex.errors import CorruptShardError, TenplexError, UnsafePickleError
 from tenplex.limits import SAFE_REPR, short
 from tenplex.ptree.tree import DTYPES
+from tenplex.store.paths import open_regular, regular_size as regular_file_size  # the one path rule
 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.torchfiles.ziprecords import check_stored
 
-__all__ = ["safe_load", "load_tensor", "tensor_header", "tensor_place", "load_meta", "FileView", "ALLOWED_GLOBALS",
+__all__ = ["safe_load", "load_tensor", "tensor_header", "load_meta", "FileView", "ALLOWED_GLOBALS",
            "TORCH_SAFE_GLOBALS", "MAX_NDIM", "TORCH_DTYPES", "regular_file_size", "open_regular"]
 
 MAX_NDIM = 32
@@ -297,22 +297,6 @@ class _torch_globals:
                 _remove_safe_globals(TORCH_SAFE_GLOBALS)
 
 
-def regular_file_size(path: str, what: str) -> int:
-    """The size in bytes of the regular file at ``path`` (symlinks followed).
-
-    Raises:
-        CorruptShardError: ``path`` is missing or not a regular file (a FIFO or a
-            device would block or never end).
-    """
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CorruptShardError(f"{what}: file is missing") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CorruptShardError(f"{what}: not a regular file (mode {stat.filemode(st.st_mode)})")
-    return st.st_size
-
-
 class FileView(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of an open binary file, as a seekable file of its own."""
 
@@ -342,30 +326,6 @@ class FileView(io.RawIOBase):
         return got
 
 
-def open_regular(path: str, what: str, buffering: int = -1):
-    """Open the regular file at ``path`` for reading: ``(binary file, size in bytes)``
-    (``buffering`` as for :func:`open`; 0 gives a raw, unbuffered file).
-
-    The file is opened non-blocking and checked with ``fstat`` on the open
-    descriptor, so a FIFO swapped in after a check cannot block the read.
-
-    Raises:
-        CorruptShardError: ``path`` is missing, unreadable or not a regular file.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise CorruptShardError(f"{what}: file is missing") from None
-    except OSError as exc:
-        raise CorruptShardError(f"{what}: cannot open it ({exc.strerror})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CorruptShardError(f"{what}: not a regular file (mode {stat.filemode(st.st_mode)})")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb", buffering=buffering), st.st_size
-
-
 def _stream_size(f) -> int:
     here = f.tell()
     size = f.seek(0, io.SEEK_END)
@@ -378,9 +338,16 @@ def _validate(f, size: int, what: str, rules: dict) -> Any:
     start = f.tell()
     try:
         archive = torch._C.PyTorchFileReader(f)
-    except (RuntimeError, OSError, ValueError) as exc:  # torch's zip reader, seeking a cut file
-        raise CorruptShardError(f"{what}: not a torch zip archive ({str(exc).splitlines()[0]}); tenplex "
+        return _validate_archive(archive, f, start, size, what, rules)
+    except (RuntimeError, OSError, ValueError) as exc:  # torch's zip reader: a cut or corrupt archive
+        if isinstance(exc, TenplexError):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise CorruptShardError(f"{what}: not a torch zip archive ({first}); tenplex "
                                 "reads torch.save's zip format only") from None
+
+
+def _validate_archive(archive, f, start: int, size: int, what: str, rules: dict) -> Any:
     if archive.has_record("constants.pkl"):
         raise UnsafePickleError(f"{what}: refusing a TorchScript archive")
     if not archive.has_record("data.pkl"):
@@ -493,14 +460,6 @@ def load_meta(f, what: str) -> tuple[Any, Any]:
     """
     shadow = _validate(f, _stream_size(f), what, ALLOWED_GLOBALS)
     return _torch_load(f, what, False, "meta"), shadow
-
-
-def tensor_place(t: Any) -> tuple[torch.dtype, tuple, tuple, int] | None:
-    """``(dtype, shape, stride, first byte in the file)`` of a tensor in :func:`load_meta`'s
-    shadow, or None if ``t`` is not one."""
-    if not isinstance(t, _Tensor):
-        return None
-    return t.dtype, t.shape, t.stride, t.storage.offset + t.offset * t.dtype.itemsize
 
 
 def tensor_header(f, what: str, *, locate: bool = False) -> tuple:

@@ -26,7 +26,7 @@ from tenplex.ptree.region import Box
 from tenplex.transform.plan import PaddingChange
 
 from tenplex_megatron.formats.common import TargetValues
-from tenplex_megatron.formats.dist.keys import RNG_KEY, rng_key
+from tenplex_megatron.formats.dist.keys import COMMON_STATE, RNG_KEY, rng_key
 from tenplex_megatron.formats.dist.read import read_common
 from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.formats.dist.source import DistSource, chunk_path, open_dist
@@ -121,7 +121,7 @@ def _common(source: DistSource, values: TargetValues) -> dict:
     """The source's ``common.pt`` with the target's args and, for an MoE model, its optimizer
     entry fitted to the target's sub-optimizers: ``{0: dense, 1: expert}`` at ep > 1, the dense
     one alone at ep = 1 (megatron-core's loader fails on the other form, FACTS 6.7)."""
-    common = read_common(source.root)
+    common = read_common(source.root, source.md)
     if common.get("args") is not None:
         common["args"] = values.args
     optimizer = common.get("optimizer")
@@ -140,8 +140,8 @@ def _common(source: DistSource, values: TargetValues) -> dict:
 
 def _copy_item(source, writer, index: MetadataIndex, info, vocab, old: int, new: int) -> None:
     key = index.fqn
-    if RNG_KEY.match(key):
-        return  # re-keyed for the target grid
+    if RNG_KEY.match(key) or key == COMMON_STATE:
+        return  # re-keyed for the target grid; the common state goes to common.pt (read by 0.16 to 0.19)
     item = source.md.state_dict_metadata[key]
     path = chunk_path(source.root, info.relative_path)
     if not isinstance(item, TensorStorageMetadata):

@@ -29,7 +29,7 @@ from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
 from tenplex_megatron.torchfiles.safe_load import open_regular
 
-__all__ = ["dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+__all__ = ["COMMON_STATE", "dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
            "known_extra_state", "dist_key"]
 
@@ -40,6 +40,9 @@ EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)(?:\.(\d+))?_(\d+)(?:\.(\
 """``<module>._extra_state/shard_<layer>[.<expert>]_<L>[.<E>]`` (experts stacked on a second axis)."""
 RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
 DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
+COMMON_STATE = "common_state/shard_0_1"
+"""megatron-core 0.19's common state: ``ShardedObject("common_state", [common dict], (1,), (0,))``
+in place of ``common.pt`` (:func:`tenplex_megatron.formats.dist.read.read_common`)."""
 
 
 def is_dist(path: str) -> bool:

@@ -26,10 +26,12 @@ from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
+from tenplex.store.paths import check_inside
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.dist.buffers import chained, expected_flat
-from tenplex_megatron.formats.dist.keys import (DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify, dist_names,
+from tenplex_megatron.formats.dist.keys import (COMMON_STATE, DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
+                                       dist_names,
                                        expected_tensors, is_dist, known_extra_state, object_key)
 from tenplex_megatron.dcp.records import BytesStorageMetadata, TensorStorageMetadata
 from tenplex_megatron.dcp.safe import read_checked, read_objects
@@ -48,14 +50,34 @@ _COMMON_KNOWN = {"content_metadata", "iteration", "opt_param_scheduler", "optimi
                  "checkpoint_version", "num_floating_point_operations_so_far"}
 
 
-def read_common(root: str) -> dict:
-    """``common.pt`` (allow-listed unpickling), or ``{}`` when there is none."""
+def read_common(root: str, md: Any = None) -> dict:
+    """The common (non-sharded) state: ``common.pt``, or megatron-core 0.19's ``common_state`` item, or ``{}``.
+
+    megatron-core up to 0.18 saves it as ``common.pt`` (``common_backend: torch`` in
+    ``metadata.json``); 0.19 saves it as a DCP byte object, :data:`COMMON_STATE`, a ``torch.save``
+    archive of ``[common dict]`` inside a ``.distcp`` file (``metadata.json`` without
+    ``common_backend``), and still reads a ``common.pt`` where one exists. Which one is there is
+    told from the files, not from ``metadata.json``. Both are unpickled with the same allow-list
+    (:func:`tenplex_megatron.torchfiles.safe_load.safe_load`).
+
+    Raises:
+        ManifestError: it is not a dict (or a one-item list of one), or an unsafe pickle.
+    """
     path = os.path.join(root, "common.pt")
-    if not os.path.exists(path):
-        return {}
-    common = safe_load(path)
+    check_inside(root, [path, os.path.join(root, ".metadata"), os.path.join(root, "metadata.json")])  # issue 20
+    if os.path.exists(path):
+        common = safe_load(path)
+        where = path
+    else:
+        md = md if md is not None else read_checked(root)[0]
+        if COMMON_STATE not in md.state_dict_metadata:
+            return {}
+        common = read_objects(root, md, COMMON_STATE).get(COMMON_STATE)
+        where = f"{root} [{COMMON_STATE}]"
+        if isinstance(common, list) and len(common) == 1:
+            common = common[0]
     if not isinstance(common, dict):
-        raise ManifestError(f"{path}: expected a dict, found {type(common).__name__}")
+        raise ManifestError(f"{where}: expected a dict, found {type(common).__name__}")
     return common
 
 
@@ -187,6 +209,8 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where, names: str = "local") -
                                     f"{item.properties.dtype}) does not fit the model's buffer layout at "
                                     f"{config} (megatron-core's distributed optimizers)")
             found_flat.add(key)
+        elif isinstance(item, BytesStorageMetadata) and key == COMMON_STATE:
+            continue  # megatron-core 0.19's common state (read_common)
         elif isinstance(item, BytesStorageMetadata) and kind in ("extra_state", "rng", "dp_object"):
             _check_object(key, kind, cfg, config, where)
         else:
@@ -293,14 +317,17 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     root = found.dir
     if not is_dist(root):
         raise ManifestError(f"{root}: no metadata.json with sharded_backend 'torch_dist'")
-    common = read_common(root)
+    md, refs = read_checked(root)
+    common = read_common(root, md)
     args = common.get("args")
-    check_args(args, os.path.join(root, "common.pt"))  # issue 20: bound every count before it sizes a loop
+    check_args(args, os.path.join(root, "common.pt") if os.path.exists(os.path.join(root, "common.pt"))
+               else f"{root} [{COMMON_STATE}]")  # issue 20: bound every count before it sizes a loop
     if model_config is None and args is None:
-        raise ConfigError(f"{root}: common.pt has no args; pass the model config "
+        kind = "common.pt" if os.path.exists(os.path.join(root, "common.pt")) else \
+            f"the {COMMON_STATE} item" if COMMON_STATE in md.state_dict_metadata else "no common state"
+        raise ConfigError(f"{root}: no args in {kind}; pass the model config "
                           "(--model-config FILE.json, see docs/megatron.md)")
     cfg = MegatronConfig.from_args(args, model_config)
-    md, refs = read_checked(root)
     optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
     optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata, root)
     tp, pp = _grid(cfg, args, md, optim, root)

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 from tenplex.errors import ConfigError, ManifestError, TenplexError
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
+from tenplex.store.paths import check_inside
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.description import Description
@@ -340,6 +341,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     model_files = {k: os.path.join(d, "model_optim_rng.pt") for k, d in dirs.items()}
     distrib = {k: os.path.join(d, "distrib_optim.pt") for k, d in dirs.items()
                if os.path.exists(os.path.join(d, "distrib_optim.pt"))}
+    check_inside(root, [*model_files.values(), *distrib.values()])  # issue 20: the one path rule
     with ThreadPoolExecutor(max(1, threads)) as pool:
         loaded = dict(zip(model_files, pool.map(_load, model_files.values())))
         opt_loaded = dict(zip(distrib, pool.map(_load, distrib.values())))

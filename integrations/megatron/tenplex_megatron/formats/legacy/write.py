@@ -118,6 +118,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         final = os.path.join(root, name)
         if os.path.exists(final):
             raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
+        created = not os.path.lexists(root)  # issue 20: a refused write leaves no empty root behind
         os.makedirs(root, exist_ok=True)
         tmp = os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
@@ -136,6 +137,8 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            if created and not os.listdir(root):
+                os.rmdir(root)
             raise
         write_tracker(root, values.iteration)
         return {"bytes_written": written, "files": files, "padding": list(build.plan.padding),

@@ -1,0 +1,108 @@
+"""megatron-core 0.19.2 (issue 19, failure 3): its own checkpoints reshard, and it loads the results.
+
+0.19 writes no ``common.pt``: the args, the iteration and the rest of the common state are the DCP
+byte item ``common_state/shard_0_1``, and ``metadata.json`` has no ``common_backend``. The test
+installs megatron-core 0.19.2 in a virtual environment of its own (``--system-site-packages``, so
+torch 2.13.0 and the CPU shim are shared; cached in the temp directory), as
+docs/megatron.md says: ``pip install --no-deps --ignore-requires-python megatron-core==0.19.2`` and
+``triton==3.7.1`` (0.19.2 imports triton without declaring it). Then 0.19.2's own save makes
+legacy and torch_dist checkpoints of a dense GPT and of an MoE GPT (4 experts, ep 2); tenplex (with
+0.16.1 beside it, which it does not import) reshards them to both formats, and 0.19.2 loads every
+output (tracker, then the iteration folder) with the source's logits within 2e-6.
+
+On e4220c6 the first reshard (of the iteration folder) fails: ``common.pt has no args; pass the model
+config``.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from mcore_helpers import logits
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.19.2"
+DENSE = ("--layers 2 --hidden 64 --heads 4 --ffn 128 --position learned_absolute --vocab 100 "
+         "--make-vocab-size-divisible-by 16 --seq 8")
+MOE = ("--layers 2 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
+       "--vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --batch 4 --experts 4 --topk 2")
+
+
+def venv_python() -> str:
+    """The python of a cached venv with megatron-core 0.19.2; skips the test if pip cannot install it."""
+    root = os.path.join(tempfile.gettempdir(), f"tenplex-mcore-{VERSION}-venv")
+    python = os.path.join(root, "bin", "python")
+    check = [python, "-c", f"import megatron.core as m; assert m.__version__ == '{VERSION}'"]
+    if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    steps = [[sys.executable, "-m", "venv", "--system-site-packages", root],
+             [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python",
+              f"megatron-core=={VERSION}"],
+             [python, "-m", "pip", "install", "-q", "--no-deps", "triton==3.7.1"]]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            pytest.skip(f"cannot install megatron-core {VERSION} ({' '.join(cmd[2:])}): "
+                        f"{(done.stderr or done.stdout).strip()[-300:]}")
+    done = subprocess.run(check, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return python
+
+
+def run(python: str, worker: str, n: int, flags: str, *extra: str) -> str:
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           os.path.join(HERE, worker), *flags.split(), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def tenplex(*args: str) -> None:
+    done = subprocess.run(["tenplex", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    python = venv_python()
+    d = tmp_path_factory.mktemp("mcore019")
+    run(python, "mcore_worker.py", 2, DENSE, "--tp", "2", "--save", "both", "--dist-layout", "megatron",
+        "--save-dir", str(d / "dense"), "--logits-out", str(d / "dense.pt"))
+    run(python, "moe_worker.py", 2, MOE, "--ep", "2", "--save", "both", "--save-dir", str(d / "moe"),
+        "--logits-out", str(d / "moe.pt"))
+    dist = d / "dense" / "dist" / "iter_0000010"
+    assert not (dist / "common.pt").exists() and not (d / "moe" / "dist" / "common.pt").exists()
+    assert "common_backend" not in (dist / "metadata.json").read_text()  # 0.19's own form
+    return python, d
+
+
+def test_019_checkpoints_reshard_and_load_in_019(saved, tmp_path):
+    python, d = saved
+    cases = [  # (source, target format, --to, worker, world, flags at the target, load as, logits)
+        (d / "dense" / "dist" / "iter_0000010", "megatron-dist", "tp=1", "mcore_worker.py", 1, DENSE, "dist",
+         "dense"),  # the iteration folder itself
+        (d / "dense" / "dist", "megatron-legacy", "tp=1", "mcore_worker.py", 1, DENSE, "legacy", "dense"),
+        (d / "dense" / "legacy", "megatron-dist", "tp=1,pp=2", "mcore_worker.py", 1, DENSE, "dist", "dense"),
+        (d / "moe" / "dist", "megatron-dist", "dp=1", "moe_worker.py", 1, MOE, "dist", "moe"),
+        (d / "moe" / "dist", "megatron-legacy", "dp=1", "moe_worker.py", 1, MOE, "legacy", "moe"),
+        (d / "moe" / "legacy", "megatron-legacy", "dp=1", "moe_worker.py", 1, MOE, "legacy", "moe"),
+    ]
+    for i, (src, fmt, to, worker, n, flags, load_as, ref) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        tenplex("reshard", str(src), str(out), "--to", to, "--format", fmt)
+        got = tmp_path / f"got{i}.pt"
+        if worker == "mcore_worker.py":
+            run(python, worker, n, flags, "--seed", "7", "--also-load", load_as, str(out),
+                str(tmp_path / f"fresh{i}.pt"), str(got))
+        else:
+            run(python, worker, n, flags, "--seed", "7", "--load", load_as, "--load-dir", str(out),
+                "--loaded-logits-out", str(got), "--fresh-logits-out", str(tmp_path / f"fresh{i}.pt"))
+        want = logits(d / f"{ref}.pt")
+        assert (logits(got) - want).abs().max().item() <= 2e-6, cases[i]
+        assert (logits(tmp_path / f"fresh{i}.pt") - want).abs().max().item() > 1e-3, cases[i]

@@ -1,0 +1,56 @@
+"""Where a Megatron checkpoint lies (formats/folders.py): the --save root, its tracker and iteration folders."""
+
+import pytest
+
+from tenplex.errors import ConfigError, ManifestError
+from tenplex_megatron.formats.folders import TRACKER, locate, write_tracker
+from tenplex_megatron.formats.plugin import _iteration
+
+
+def _root(tmp_path, *iterations, tracker=None):
+    for it in iterations:
+        (tmp_path / ("release" if it == "release" else f"iter_{it:07d}")).mkdir()
+    if tracker is not None:
+        write_tracker(str(tmp_path), tracker)
+    return str(tmp_path)
+
+
+def test_the_tracker_names_the_folder_and_iteration_picks_another(tmp_path):
+    root = _root(tmp_path, 5, 10, tracker=10)
+    assert locate(root) == (f"{root}/iter_0000010", 10, root)
+    assert locate(root, 5) == (f"{root}/iter_0000005", 5, root)
+    assert locate(f"{root}/iter_0000005") == (f"{root}/iter_0000005", 5, None)
+    with pytest.raises(ManifestError, match=r"iter_0000007: the iteration folder asked for is missing "
+                                            r"\(iteration folders present: \[5, 10\]\)"):
+        locate(root, 7)
+    with pytest.raises(ManifestError, match="an iteration folder of iteration 5; --iteration 10"):
+        locate(f"{root}/iter_0000005", 10)
+    assert (tmp_path / TRACKER).read_text() == "10"
+
+
+def test_release_a_missing_tracker_folder_and_a_root_without_tracker(tmp_path):
+    (tmp_path / "a").mkdir()
+    assert locate(_root(tmp_path / "a", "release", tracker="release")).iteration == "release"
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ManifestError, match="named by latest_checkpointed_iteration.txt is missing"):
+        locate(_root(tmp_path / "b", 5, tracker=6))
+    (tmp_path / "c").mkdir()
+    root = _root(tmp_path / "c", 5, 6)
+    with pytest.raises(ManifestError, match=r"no latest_checkpointed_iteration.txt, and iteration folders "
+                                            r"\[5, 6\]; pick one with --iteration N"):
+        locate(root)
+    assert locate(root, 6).iteration == 6
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / TRACKER).write_text("five")
+    with pytest.raises(ManifestError, match="expected an iteration number or 'release', found 'five'"):
+        locate(str(tmp_path / "d"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert locate(str(bare)) == (str(bare), None, None)
+
+
+def test_the_iteration_option():
+    assert _iteration({}) is None and _iteration({"iteration": "12"}) == 12
+    assert _iteration({"iteration": "release"}) == "release" and _iteration({"iteration": 3}) == 3
+    with pytest.raises(ConfigError, match="--iteration -1"):
+        _iteration({"iteration": -1})
