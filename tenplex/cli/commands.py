@@ -18,7 +18,9 @@ from tqdm import tqdm
 from tenplex import api
 from tenplex.api import ReshardReport
 from tenplex.cli.render import matrix, size, table
+from tenplex.errors import ConfigError
 from tenplex.formats import Description, detect
+from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.transform.placement import Placement
 from tenplex.transform.planner import make_plan
@@ -30,8 +32,9 @@ def _options(args) -> dict:
     """The format options (see :mod:`tenplex.formats.protocol`) the command line gave."""
     out = {"model_config": getattr(args, "model_config", None), "threads": getattr(args, "threads", 8),
            "iteration": getattr(args, "iteration", None)}
-    if getattr(args, "names", None):
-        out["names"] = args.names
+    for name in ("names", "hf_arch", "dtype", "max_shard_size"):  # format-specific options, where given
+        if getattr(args, name, None):
+            out[name] = getattr(args, name)
     return out
 
 
@@ -72,6 +75,10 @@ def _report(args, r: ReshardReport) -> None:
 
 
 def reshard(args) -> int:
+    if args.to is None:
+        if args.format != "hf":
+            raise ConfigError("--to is required (the target config), except with --format hf")
+        args.to = ParallelConfig()  # an HF model directory has one layout: tp = pp = ep = 1
     from tenplex.distributed_reshard import under_torchrun
     if under_torchrun():  # one process of a torchrun (or Slurm) job: split the files, one commit
         from tenplex.cli.torchrun import reshard_torchrun

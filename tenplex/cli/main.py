@@ -33,10 +33,18 @@ TO_HELP = "the target config: axes dp, tp, pp, cp, ep, etp, vpp (missing ones ar
 def _reshard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint (path or fsspec URL)")
     p.add_argument("dst", help="where to write the result (must not exist as a checkpoint)")
-    p.add_argument("--to", type=_config, required=True, metavar=TO_METAVAR, help=TO_HELP)
+    p.add_argument("--to", type=_config, default=None, metavar=TO_METAVAR,
+                   help=TO_HELP + "; required except for a format with one layout (hf: tp = pp = ep = 1)")
     p.add_argument("--format", default=None,
                    help="output format (default: the source's); 'tenplex' or a plugin's name")
     p.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
+    p.add_argument("--hf-arch", default=None, metavar="FAMILY",
+                   help="hf export: the model family (llama, qwen2, qwen3, mixtral, qwen3_moe; default: "
+                        "inferred from the checkpoint's args)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="hf export: the output dtype (default: the parameters' dtype)")
+    p.add_argument("--max-shard-size", default=None, metavar="BYTES",
+                   help="hf export: the largest output file, in bytes or as '5GB' (default 5GB)")
     p.add_argument("--names", choices=("local", "te"), default=None,
                    help="Megatron key naming scheme of the output: megatron-core's local layer spec or "
                         "TransformerEngine's (default: the source's)")

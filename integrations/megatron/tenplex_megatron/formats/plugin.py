@@ -15,17 +15,20 @@ import json
 import os
 
 from tenplex.errors import ConfigError
-from tenplex.formats.protocol import Description, VerifyResult, WriteResult, padding_lines
+from tenplex.formats.protocol import Description, VerifyResult, WriteResult
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.formats.dist.keys import is_dist
-from tenplex_megatron.formats.description import Description as MegatronDescription
+from tenplex_megatron.formats.records import description as _description, verified, written as _written
 from tenplex_megatron.formats.legacy.read import is_legacy
 
 # The readers and writers are imported where they are used: loading the plugin (every CLI
 # call) then costs no torch.distributed.checkpoint import (~0.7 s) unless a command needs it.
 
 __all__ = ["LEGACY", "DIST"]
+
+CRC = "every record's CRC-32"
+"""What ``verify`` checks of a ``torch.save`` archive."""
 
 
 def _model_config(options: dict) -> dict | None:
@@ -35,24 +38,6 @@ def _model_config(options: dict) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
-
-
-def _description(name: str, d: MegatronDescription) -> Description:
-    return Description(format=name, tree=d.tree, config=d.config, values=d.values, meta=d.meta,
-                       notes=tuple(d.notes))
-
-
-def _written(r: dict, bytes_read: int, direct: bool = False) -> WriteResult:
-    """The protocol's record of a Megatron writer's ``{"bytes_written", "files", ...}``."""
-    return WriteResult(bytes_read=bytes_read, bytes_needed=r.get("bytes_needed"),
-                       bytes_written=r["bytes_written"], files=r["files"],
-                       padding=padding_lines(r.get("padding", [])), notes=tuple(r.get("notes", [])),
-                       direct=direct)
-
-
-def _verified(r: dict) -> VerifyResult:
-    return VerifyResult(files=r["files"], bytes=r["bytes"], tensors=r["tensors"],
-                        checked="every record's CRC-32", checksums=r.get("checksums"))
 
 
 def _iteration(options: dict) -> int | str | None:
@@ -106,9 +91,9 @@ class _Legacy:
     def verify(path: str, **options) -> VerifyResult:
         from tenplex_megatron.formats.legacy.verify import verify_legacy
 
-        return _verified(verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
+        return verified(verify_legacy(path, _model_config(options), checksums=options.get("checksums", False),
                                        threads=options.get("threads", 8), progress=options.get("progress"),
-                                       iteration=_iteration(options)))
+                                       iteration=_iteration(options)), CRC)
 
 
 class _Dist:
@@ -152,9 +137,9 @@ class _Dist:
     def verify(path: str, **options) -> VerifyResult:
         from tenplex_megatron.formats.dist.verify import verify_dist
 
-        return _verified(verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
+        return verified(verify_dist(path, _model_config(options), checksums=options.get("checksums", False),
                                      threads=options.get("threads", 8), progress=options.get("progress"),
-                                     iteration=_iteration(options)))
+                                     iteration=_iteration(options)), CRC)
 
 
 LEGACY = _Legacy()

@@ -1,0 +1,219 @@
+"""Export any Megatron shard source to a Hugging Face model directory, streamed, in bounded memory.
+
+The source (a Megatron checkpoint read in place, or a tenplex store of one)
+is planned to tp = pp = ep = 1; the store executor builds each global
+tensor from byte-range reads, a few at a time in threads (the target
+builder's byte budget). Each tensor is transformed into its HF tensors
+(:mod:`~tenplex_megatron.formats.hf.mapping`), which writer threads put
+at their offsets in their shard file (:class:`~.stwriter.ShardFile`: the
+header is written first, from the shapes) while the next tensors are read;
+at most ``budget`` bytes wait to be written. The shard plan (which tensor
+goes in which file) is made from the shapes before any read, so the file
+names ``model-0000i-of-0000N.safetensors`` are final from the start, and
+each file is checked with the ``safetensors`` package once complete. Files are
+written into a temporary sibling directory renamed to ``dst`` last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from tenplex.errors import AlreadyExistsError, ConfigError, ManifestError
+from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.tree import torch_dtype
+
+from tenplex_megatron.formats.hf.catalog import choose
+from tenplex_megatron.formats.hf.families.common import common_config
+from tenplex_megatron.formats.hf.family import Model
+from tenplex_megatron.formats.hf.fields import ModelFields
+from tenplex_megatron.formats.hf.mapping import Job, apply, geometry, jobs
+from tenplex_megatron.formats.hf.stwriter import ShardFile
+from tenplex_megatron.formats.target import BUDGET, TargetBuilder, megatron_meta
+
+__all__ = ["export_hf", "parse_size", "DEFAULT_SHARD", "WEIGHTS_ONLY"]
+
+DEFAULT_SHARD = 5_000_000_000
+"""The largest output shard by default (transformers' ``max_shard_size="5GB"``), in bytes."""
+
+WEIGHTS_ONLY = "weights only: optimizer state (Adam moments, steps) is not exported to Hugging Face"
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_size(value: int | str | None) -> int:
+    """Bytes of ``value``: an int, or ``"500MB"``, ``"5GB"``, ``"2GiB"`` (decimal and binary units).
+
+    Raises:
+        ConfigError: an unreadable or non-positive size.
+    """
+    if value is None:
+        return DEFAULT_SHARD
+    if isinstance(value, int):
+        n = value
+    else:
+        text = str(value).strip().upper()
+        units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        unit = next((u for u in units if text.endswith(u)), "")
+        try:
+            n = int(float(text[: len(text) - len(unit)]) * units.get(unit, 1))
+        except ValueError:
+            raise ConfigError(f"--max-shard-size {value!r}: expected bytes or a size like 5GB") from None
+    if n <= 0:
+        raise ConfigError(f"--max-shard-size {value!r}: must be positive")
+    return n
+
+
+def _shards(work: list[Job], limit: int) -> list[list[Job]]:
+    """Jobs grouped into files in order, each file at most ``limit`` bytes unless one job is larger
+    (transformers' rule in ``save_pretrained``)."""
+    out: list[list[Job]] = [[]]
+    size = 0
+    for job in work:
+        if out[-1] and size + job.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(job)
+        size += job.nbytes
+    return out
+
+
+def _config_json(model: Model, family, dtype: str) -> dict:
+    out = {"architectures": [family.architecture], "model_type": family.name, **common_config(model)}
+    out.update({k: fn(model) for k, fn in family.config.items()})
+    out["dtype"] = dtype
+    return out
+
+
+def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None = None,
+              max_shard_size: int | str | None = None, threads: int = 8,
+              progress: Callable[[int, int], None] | None = None, budget: int | None = None) -> dict:
+    """Write ``source`` as a Hugging Face model directory at ``dst``.
+
+    Args:
+        source: a Megatron shard source (legacy, torch_dist, or a tenplex store of one).
+        dst: a directory that does not exist yet (or is empty).
+        hf_arch: a family name (``--hf-arch``); None infers it from the checkpoint.
+        dtype: ``float32``, ``bfloat16`` or ``float16``; None keeps the parameters' dtype.
+            ``float32`` from a checkpoint with fp32 main params exports those.
+        max_shard_size: the largest output file (bytes or ``"5GB"``), default 5 GB.
+        threads: stored tensors read at once.
+        progress: ``progress(done_bytes, total_bytes)`` of global tensors built.
+        budget: bytes of global tensors built ahead, and of tensors waiting to be written, at once;
+            default a quarter of the largest output shard, within [64 MiB, 512 MiB] (the process
+            then holds about twice that beyond the tensor in hand, inside the memory bound
+            ``1.5 x (largest source file + largest output shard)``).
+
+    Returns:
+        ``{"bytes_written", "files", "family", "padding": [], "notes"}``.
+
+    Raises:
+        ConfigError: a feature no family expresses, an unknown family or dtype.
+        AlreadyExistsError: ``dst`` exists and is not an empty directory.
+        ManifestError: the source is not a Megatron model.
+    """
+    cfg, _ = megatron_meta(source)
+    args = source.value("megatron/args", "")
+    fields = ModelFields.from_args(args)
+    family = choose(cfg, fields, hf_arch)
+    out_dtype = dtype or cfg.params_dtype
+    if out_dtype not in _DTYPES:
+        raise ConfigError(f"--dtype {dtype}: expected one of {', '.join(_DTYPES)}")
+    main = out_dtype == "float32" and cfg.params_dtype != "float32" and any(
+        p.startswith("optimizer/param/") for p, _ in source.tree.tensors())
+    tdtype = torch_dtype(out_dtype)
+    work = jobs(source.tree, cfg, family, tdtype.itemsize, main_params=main)
+    files = _shards(work, parse_size(max_shard_size))
+    if budget is None:
+        largest = max(sum(j.nbytes for j in shard) for shard in files)
+        budget = min(max(BUDGET, largest // 4), 8 * BUDGET)
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise AlreadyExistsError(f"{dst}: exists and is not an empty directory; the export writes a new one")
+    notes = [WEIGHTS_ONLY, f"family {family.name} ({family.architecture})"]
+    if not fields.in_args:
+        notes.append("the checkpoint carries no Megatron args: norm epsilon, rope and router settings are "
+                     "megatron-core's defaults")
+    if main:
+        notes.append("float32 weights are the optimizer's fp32 main params")
+    tmp = f"{dst.rstrip('/')}.tenplex-partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        sizes, weight_map = _write(source, files, geometry(cfg, fields), tdtype, tmp, threads, progress, budget)
+        _finish(tmp, weight_map, sum(j.nbytes for j in work), _config_json(Model(cfg, fields), family, out_dtype))
+        if os.path.isdir(dst):
+            os.rmdir(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"bytes_written": sum(sizes.values()), "files": len(files), "family": family.name,
+            "padding": [], "notes": notes}
+
+
+def _name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _write(source, files, geo, dtype, tmp, threads, progress, budget) -> tuple[dict[str, int], dict[str, str]]:
+    """Write every shard file, each tensor at its offset as soon as it is built (a pool of writer
+    threads, at most ``budget`` bytes waiting); ``({file: bytes}, {HF name: file})``."""
+    sizes, weight_map, shard_of = {}, {}, {}
+    for i, shard in enumerate(files):
+        for job in shard:
+            shard_of[job.path] = i
+    order = [job for shard in files for job in shard]
+    left = [len(shard) for shard in files]
+    open_files: dict[int, ShardFile] = {}
+    pending: deque = deque()
+    try:
+        with TargetBuilder(source, ParallelConfig(), threads=threads, budget=budget, progress=progress) as b, \
+                ThreadPoolExecutor(max(1, threads)) as writers:  # its exit waits for every write
+            for job, (path, tensor) in zip(order, b.stream(0, [job.path for job in order])):
+                if path != job.path:
+                    raise ManifestError(f"export: built {path} where {job.path} was due")
+                i = shard_of[path]
+                if i not in open_files:
+                    name = _name(i, len(files))
+                    open_files[i] = ShardFile(os.path.join(tmp, name), [
+                        (n, dtype, s) for j in files[i] for n, s in zip(j.names, j.shapes)], {"format": "pt"})
+                    weight_map.update({n: name for j in files[i] for n in j.names})
+                out = apply(job, tensor, geo, dtype)
+                del tensor
+                pending.append((job.nbytes, i, [writers.submit(open_files[i].write, n, t) for n, t in out.items()]))
+                del out
+                _drain(pending, budget, left, open_files, sizes)
+            _drain(pending, 0, left, open_files, sizes)
+    finally:
+        for f in open_files.values():
+            if f.fd is not None:
+                os.close(f.fd)
+                f.fd = None
+    return sizes, weight_map
+
+
+def _drain(pending: deque, budget: int, left: list[int], open_files: dict, sizes: dict) -> None:
+    """Wait for the oldest writes until at most ``budget`` bytes wait; close each finished file."""
+    while pending and sum(n for n, _, _ in pending) > budget:
+        _, i, futures = pending.popleft()
+        for future in futures:
+            future.result()
+        left[i] -= 1
+        if left[i] == 0:
+            f = open_files[i]
+            f.close()
+            f.fd = None
+            sizes[os.path.basename(f.path)] = f.size
+
+
+def _finish(tmp: str, weight_map: dict[str, str], total: int, config: dict) -> None:
+    """``model.safetensors.index.json`` (``total_size``: tensor bytes) and ``config.json``."""
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

@@ -1,0 +1,187 @@
+"""A Hugging Face model directory on disk: ``config.json``, safetensors files, their index; read safely.
+
+Every safetensors header is parsed and checked here (``safetensors``'
+format: an 8-byte little-endian header length, a JSON header of
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}}`` with offsets
+from the end of the header), so a tensor is read by its byte range and a
+file that lies about sizes or offsets is refused before any read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from math import prod
+from typing import Callable
+
+from tenplex.errors import CorruptShardError, ManifestError
+
+__all__ = ["StoredTensor", "is_hf_dir", "read_config", "tensors", "verify_hf", "INDEX", "SINGLE"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a safetensors file.
+
+    Attributes:
+        file: the file's path. name: the tensor's name. dtype: e.g. ``"float32"``.
+        shape: its shape. start, end: its bytes in the file (absolute offsets).
+    """
+
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether ``path`` is a directory with ``config.json`` and ``model.safetensors`` or its index."""
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+            and (os.path.isfile(os.path.join(path, INDEX)) or os.path.isfile(os.path.join(path, SINGLE))))
+
+
+def read_config(path: str) -> dict:
+    """``config.json`` as a dict.
+
+    Raises:
+        ManifestError: missing or not a JSON object.
+    """
+    where = os.path.join(path, "config.json")
+    try:
+        with open(where) as f:
+            out = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{where}: not a readable JSON file ({exc})") from None
+    if not isinstance(out, dict):
+        raise ManifestError(f"{where}: expected a JSON object, found {type(out).__name__}")
+    return out
+
+
+def _files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX)
+    if not os.path.isfile(index):
+        return [SINGLE]
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(f"{index}: no readable weight_map ({exc!r})") from None
+    names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else None
+    if not names or any(not isinstance(n, str) or os.path.basename(n) != n or n.startswith(".") for n in names):
+        raise ManifestError(f"{index}: weight_map must map names to plain file names in the directory")
+    return names
+
+
+def _header(file: str) -> list[StoredTensor]:
+    """The tensors of one safetensors file, each checked against the file's size.
+
+    Raises:
+        CorruptShardError: a truncated file, a header that is not JSON, or a
+            tensor whose offsets do not fit its dtype and shape or the file.
+    """
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CorruptShardError(f"{file}: {size} bytes; a safetensors file starts with an 8-byte length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(_MAX_HEADER, size - 8):
+            raise CorruptShardError(f"{file}: header of {n} bytes in a file of {size}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise CorruptShardError(f"{file}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptShardError(f"{file}: header is a {type(header).__name__}; expected an object")
+    out = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        out.append(_entry(file, name, entry, 8 + n, size))
+    return out
+
+
+def _entry(file: str, name: str, entry, base: int, size: int) -> StoredTensor:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        ok = (dtype in _ITEMSIZE and all(type(s) is int and s >= 0 for s in shape)
+              and type(begin) is int and type(end) is int)
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise CorruptShardError(f"{file}: tensor {name!r} has a malformed header entry {entry!r}")
+    expected = prod(shape) * _ITEMSIZE[dtype]
+    if end - begin != expected or begin < 0 or base + end > size:
+        raise CorruptShardError(f"{file}: tensor {name!r} {dtype}{list(shape)} needs {expected} bytes; its "
+                                f"offsets [{begin}, {end}) give {end - begin} in a file of {size}")
+    if dtype not in _DTYPE:
+        raise CorruptShardError(f"{file}: tensor {name!r} is {dtype}; expected a floating-point weight")
+    return StoredTensor(file, name, _DTYPE[dtype], shape, base + begin, base + end)
+
+
+def tensors(path: str) -> dict[str, StoredTensor]:
+    """Every tensor of the model directory ``path`` by name.
+
+    Raises:
+        ManifestError: an unreadable index, a name in two files, or a tensor the
+            index places in another file than the one holding it.
+        CorruptShardError: see :func:`_header`.
+    """
+    out: dict[str, StoredTensor] = {}
+    for name in _files(path):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ManifestError(f"{path}: the index names {name}, which is missing")
+        for t in _header(file):
+            if t.name in out:
+                raise ManifestError(f"{path}: tensor {t.name} is in {out[t.name].file} and {file}")
+            out[t.name] = t
+    return out
+
+
+def verify_hf(path: str, checksums: bool = False, progress: Callable[[int, int], None] | None = None) -> dict:
+    """Check every file's header against its size, and the index against the headers.
+
+    Returns:
+        ``{"files", "bytes", "tensors", "checksums"}`` (``checksums``: ``{file: xxh3-128}``
+        when asked, else None).
+
+    Raises:
+        ManifestError, CorruptShardError: see :func:`tensors`.
+    """
+    found = tensors(path)
+    files = sorted({t.file for t in found.values()})
+    index = os.path.join(path, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        wrong = sorted(n for n, t in found.items() if weight_map.get(n) != os.path.basename(t.file))
+        extra = sorted(set(weight_map) - set(found))
+        if wrong or extra:
+            raise ManifestError(f"{index}: the index and the files disagree on {(wrong + extra)[:3]}")
+    total = sum(os.path.getsize(f) for f in files)
+    digests = None
+    if checksums:
+        import xxhash  # noqa: PLC0415
+
+        digests, done = {}, 0
+        for f in files:
+            h = xxhash.xxh3_128()
+            with open(f, "rb") as fh:
+                for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
+                    h.update(block)
+                    done += len(block)
+                    if progress:
+                        progress(done, total)
+            digests[os.path.basename(f)] = h.hexdigest()
+    return {"files": len(files), "bytes": total, "tensors": len(found), "checksums": digests}

@@ -1,0 +1,70 @@
+"""The ``hf`` format, a :class:`tenplex.formats.Format` (entry point ``hf``).
+
+Format options (:mod:`tenplex.formats.protocol`): ``hf_arch`` (``--hf-arch``),
+``dtype`` (``--dtype``), ``max_shard_size`` (``--max-shard-size``, bytes),
+besides ``model_config``, ``threads``, ``progress`` and ``checksums``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tenplex.formats.protocol import Description, VerifyResult, WriteResult
+from tenplex.ptree.config import ParallelConfig
+
+from tenplex_megatron.formats.records import description, verified, written
+
+__all__ = ["HF"]
+
+
+def _overrides(options: dict) -> dict | None:
+    """Megatron args from ``--model-config`` (a JSON file) that win over those made from ``config.json``."""
+    path = options.get("model_config")
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+class _HF:
+    """Hugging Face model directories: ``config.json`` with ``model*.safetensors`` (and an index)."""
+
+    name = "hf"
+
+    @staticmethod
+    def detect(path: str) -> bool:
+        from tenplex_megatron.formats.hf.hfdir import is_hf_dir
+
+        return is_hf_dir(path)
+
+    @staticmethod
+    def describe(path: str, **options) -> Description:
+        from tenplex_megatron.formats.hf.read import describe_hf
+
+        return description(_HF.name, describe_hf(path, _overrides(options)).desc)
+
+    @staticmethod
+    def open_source(path: str, **options):
+        from tenplex_megatron.formats.hf.read import open_hf
+
+        return open_hf(path, _overrides(options))
+
+    @staticmethod
+    def write(source, path: str, to: ParallelConfig | None = None, **options) -> WriteResult:
+        """Export ``source`` to ``path`` (``to`` is ignored: an HF model is tp = pp = ep = 1)."""
+        from tenplex_megatron.formats.hf.export import export_hf
+
+        r = export_hf(source, path, hf_arch=options.get("hf_arch"), dtype=options.get("dtype"),
+                      max_shard_size=options.get("max_shard_size"), threads=options.get("threads", 8),
+                      progress=options.get("progress"))
+        return written(r, source.bytes_read)
+
+    @staticmethod
+    def verify(path: str, **options) -> VerifyResult:
+        from tenplex_megatron.formats.hf.hfdir import verify_hf
+
+        return verified(verify_hf(path, checksums=options.get("checksums", False), progress=options.get("progress")),
+                        "every safetensors header and tensor size")
+
+
+HF = _HF()
