@@ -25,8 +25,8 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope
 from tenplex.store.blocks import DEFAULT_BLOCK
-from tenplex.store.manifest import FileRecord
-from tenplex.store.writer import StoreWriter, shard_file
+from tenplex.store.gathered import commit_gathered, records_from_json, remove_token_files
+from tenplex.store.writer import StoreWriter
 from tenplex.transform.agree import check_local_state, check_same_inputs, local_problems, tree_digest
 from tenplex.transform.comm import Comm, LocalComm, TorchComm
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
@@ -138,22 +138,7 @@ def _commit(writer: StoreWriter, tree: PTree, config: ParallelConfig, written: l
     """Check every file at the URL the manifest names, then commit; the error, if any (process 0)."""
     records = {}
     for item in written:
-        records.update({k: FileRecord(v["size"], v["block"], tuple(v["digests"]))
-                        for k, v in item["records"].items()})
-    root = writer.root
-    root.fs.invalidate_cache()
-    for key, rec in sorted(records.items()):
-        try:
-            size = root.size(key)
-        except FileNotFoundError:
-            size = None
-        if size != rec.size:
-            found = "no such file" if size is None else f"{size} bytes"
-            return (f"save_distributed: shard file {root}/{key} is not in the store as process 0 "
-                    f"sees it: expected {rec.size} bytes, found {found}; staging needs a store "
-                    "every process and every new worker can read (a shared filesystem or s3://), "
-                    "not a per-host directory")
-    writer.add_records(records)
+        records.update(records_from_json(item["records"]))
     stored = {}
     by_rank = {item["rank"]: item["values"] for item in written}
     for path, leaf in tree.values():
@@ -161,15 +146,9 @@ def _commit(writer: StoreWriter, tree: PTree, config: ParallelConfig, written: l
             stored[path] = by_rank[0][path]
         else:
             stored[path] = {leaf.key(config, r): v[path] for r, v in sorted(by_rank.items())}
-    writer.commit(stored)
-    return None
+    return commit_gathered(writer, records, stored, "save_distributed")
 
 
 def _remove_own(writer: StoreWriter, rank: int) -> None:
     """Remove the shard file this process wrote (nothing was committed)."""
-    key = shard_file(rank, writer.token)
-    try:
-        if writer.root.exists(key):
-            writer.root.fs.rm(writer.root.key(key))
-    except Exception:  # best effort: the checkpoint is invisible without its manifest
-        pass
+    remove_token_files(writer, [rank])

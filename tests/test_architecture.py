@@ -34,13 +34,16 @@ LAYERS = {
     "tenplex.snapshot": {"tenplex.ptree", "tenplex.transform", "tenplex.store"},
     "tenplex.snapshot_recover": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.api",
                                  "tenplex.elastic", "tenplex.snapshot"},
+    # a reshard run by the processes of a torchrun job, over formats and store
+    "tenplex.distributed_reshard": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats"},
     "tenplex.cli": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats", "tenplex.models",
-                    "tenplex.api", "tenplex.elastic", "tenplex.distributed_save"},
+                    "tenplex.api", "tenplex.elastic", "tenplex.distributed_save", "tenplex.distributed_reshard"},
+    "tenplex.__main__": {"tenplex.cli"},
 }
 """The graph drawn in docs/architecture.md."""
 CORE = {"tenplex", "tenplex.ptree", "tenplex.models", "tenplex.transform", "tenplex.store", "tenplex.formats",
         "tenplex.api", "tenplex.snapshot", "tenplex.snapshot_recover",
-        "tenplex.elastic", "tenplex.distributed_save"}
+        "tenplex.elastic", "tenplex.distributed_save", "tenplex.distributed_reshard"}
 """What the integration may import of the core (not the CLI)."""
 MEGATRON = "tenplex_megatron"
 LAYERS.update({

@@ -79,6 +79,10 @@ def reshard(args) -> int:
         if args.format != "hf":
             raise ConfigError("--to is required (the target config), except with --format hf")
         args.to = ParallelConfig()  # an HF model directory has one layout: tp = pp = ep = 1
+    from tenplex.distributed_reshard import under_torchrun
+    if under_torchrun():  # one process of a torchrun (or Slurm) job: split the files, one commit
+        from tenplex.cli.torchrun import reshard_torchrun
+        return reshard_torchrun(args, _options(args), _Bar)
     with _Bar("reshard") as bar:
         r = api.reshard(args.src, args.dst, args.to, format=args.format, progress=bar, **_options(args))
     _report(args, r)

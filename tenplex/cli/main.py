@@ -49,6 +49,9 @@ def _reshard_arguments(p: argparse.ArgumentParser) -> None:
                    help="Megatron key naming scheme of the output: megatron-core's local layer spec or "
                         "TransformerEngine's (default: the source's)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="under torchrun: seconds a silent process may take before the reshard fails "
+                        "on every process (default 30)")
 
 
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:

@@ -68,6 +68,8 @@ class StoreReader:
         bytes_read: bytes fetched from shard files so far (thread-safe).
         requests: read requests made so far.
         cache_blocks: boundary blocks kept for the next read (one block each).
+        host_cache: a :class:`~tenplex.store.hostcache.HostBlockCache` whose edge
+            blocks other processes of this host share (None: no sharing).
 
     Raises:
         ManifestError: see :func:`open_manifest`.
@@ -82,6 +84,7 @@ class StoreReader:
         self.bytes_read = 0
         self.requests = 0
         self.cache_blocks = 64
+        self.host_cache = None
         self._lock = threading.Lock()
         self._checked: set[str] = set()
         self._check_locks: dict[str, threading.Lock] = {}
@@ -222,15 +225,30 @@ class StoreReader:
             with self._lock:
                 for b in blocks.tolist():
                     data = self._cache.get((key, b))
+                    if data is not None:
+                        self._cache.move_to_end((key, b))
+                    else:
+                        data = self._shared(key, frec, b)
                     if data is None:
                         missing.append(b)
                         continue
-                    self._cache.move_to_end((key, b))
                     a = b * frec.block - span_start
                     span[a: a + len(data)] = np.frombuffer(data, dtype=np.uint8)
             runs = coalesce(np.asarray(missing, dtype=np.int64), MERGE_GAP // frec.block)
             if runs:
                 self._fetch(key, frec, runs, span, span_start)
+
+    def _shared(self, key: str, frec, index: int) -> bytes | None:
+        """An edge block another process of this host fetched (checked against its digest), or None."""
+        host = self.host_cache
+        if host is None or not host.wanted(key, index):
+            return None
+        data = host.get(key, index)
+        size = min((index + 1) * frec.block, frec.size) - index * frec.block
+        if data is None or len(data) != size or digest(data) != frec.digests[index]:
+            return None
+        host.bytes_shared += len(data)
+        return data
 
     def _fetch(self, key: str, frec, runs, span: np.ndarray, span_start: int) -> None:
         """Read block runs ``[(first, last + 1)]`` into ``span``, one request each; verify every block."""
@@ -269,6 +287,12 @@ class StoreReader:
                     self._cache[(key, index)] = bytes(view[a: min(a + frec.block, frec.size - span_start)])
             while len(self._cache) > self.cache_blocks:
                 self._cache.popitem(last=False)
+        if self.host_cache is not None:  # leave edge blocks for this host's other processes
+            for first, last in runs:
+                for index in range(first, last):
+                    if self.host_cache.wanted(key, index):
+                        a = index * frec.block - span_start
+                        self.host_cache.put(key, index, view[a: min(a + frec.block, frec.size - span_start)])
 
     def mismatch(self, key: str, index: int, actual: str) -> CorruptShardError:
         """The error for block ``index`` of file ``key`` whose digest is ``actual``."""

@@ -24,17 +24,19 @@ MAX_OPEN_FILES = 64
 
 
 def stream_targets(runner: StorePlanRunner, writer: StoreWriter, *, threads: int = 8,
-                   max_open_files: int = MAX_OPEN_FILES) -> None:
-    """Write every target file of ``writer`` with tensors built by ``runner``.
+                   max_open_files: int = MAX_OPEN_FILES, ranks=None) -> None:
+    """Write every target file of ``writer`` (or those of ``ranks``) with tensors built by ``runner``.
 
     Args:
         runner: the store executor of a plan to ``writer.config``.
         writer: the target's writer (files are written, not committed).
         threads: tensors written at once.
         max_open_files: target files open at once (at least 1).
+        ranks: the target ranks whose files to write (default: every rank that stores data);
+            a reshard under torchrun gives each process its share.
     """
     entries = writer.entries()
-    ranks = sorted(entries)
+    ranks = sorted(entries) if ranks is None else sorted(r for r in ranks if r in entries)
     size = max(1, max_open_files)
     for i in range(0, len(ranks), size):
         group = ranks[i:i + size]

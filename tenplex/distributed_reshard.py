@@ -1,0 +1,355 @@
+"""Reshard one checkpoint with many processes (torchrun, Slurm): split files, one commit, fail together.
+
+``torchrun --nproc_per_node=K -m tenplex reshard SRC DST --to ...`` runs
+:func:`reshard_distributed` on every process. Each process opens the source
+in place and plans the same reshard; the target's shard files are split
+across the processes by bytes (:func:`tenplex.store.split.split_files`:
+ranks holding the same tensors stay on one process, so their shared source
+blocks are read once); each process streams its files from the byte ranges
+they need and fsyncs them; the processes report their files' sizes and
+digests, and process 0 commits the manifest once
+(:func:`tenplex.store.gathered.commit_gathered`, the commit of
+:func:`tenplex.save_distributed`).
+
+Only metadata travels between processes, through the job's key-value store
+(torchrun's rendezvous store), inside a
+:class:`~tenplex.transform.guard.TransferGuard`:
+
+- an exception on any process reaches every process within about a beat
+  (``timeout / 8``, at most 1 s), and each exits with the same message,
+  naming the process, its phase and its error;
+- a process that dies (SIGKILL) is noticed by torchrun's agent, which stops
+  the others with SIGTERM (within its ``--monitor-interval``); the SIGTERM
+  becomes an exception here (see :func:`stop_on_sigterm`). Without an agent
+  (``srun`` launching every process), the dead process's watcher declares it
+  failed after ``timeout`` seconds of silence.
+
+Nothing is committed after a failure: each process removes the files it
+wrote, and process 0 also removes those of the others (one token names
+every file of the run), so a rerun at ``dst`` starts clean.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TransferError
+from tenplex.formats import TENPLEX, detect, get_format
+from tenplex.ptree.config import ParallelConfig
+from tenplex.store.blocks import DEFAULT_BLOCK
+from tenplex.store.execute import StorePlanRunner, target_values
+from tenplex.store.hostcache import HostBlockCache, edge_blocks
+from tenplex.store.gathered import commit_gathered, records_from_json, remove_token_files
+from tenplex.store.split import split_files
+from tenplex.store.stream import MAX_OPEN_FILES, stream_targets
+from tenplex.store.writer import StoreWriter
+from tenplex.transform.agree import check_same_inputs, tree_digest
+from tenplex.transform.comm import Comm, TorchComm
+from tenplex.transform.guard import TransferGuard
+from tenplex.transform.plan import FILL_CODE
+from tenplex.transform.planner import make_plan
+
+__all__ = ["under_torchrun", "init_group", "stop_on_sigterm", "reshard_distributed",
+           "DistributedReshardReport", "ProcessStats", "RESHARD_TIMEOUT"]
+
+RESHARD_TIMEOUT = 30.0
+"""Seconds a process may stay silent before the reshard fails on every process."""
+
+WHAT = "reshard"
+
+HOST_FOLDER = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+"""Where the processes of one host share edge blocks (a folder per run, removed at the end)."""
+
+
+def under_torchrun() -> bool:
+    """True when the environment names a process of a group of more than one (WORLD_SIZE, RANK, LOCAL_RANK)."""
+    try:
+        return all(k in os.environ for k in ("RANK", "LOCAL_RANK")) and int(os.environ["WORLD_SIZE"]) > 1
+    except (KeyError, ValueError):
+        return False
+
+
+def init_group(timeout: float = 600.0) -> Comm:
+    """A gloo process group from the environment (``env://``), and its communicator.
+
+    Args:
+        timeout: seconds gloo and the store may wait for a peer.
+    """
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    return TorchComm()
+
+
+def stop_on_sigterm(rank: int) -> None:
+    """Turn SIGTERM (how torchrun stops the other workers when one fails) into a TransferError.
+
+    The exception unwinds the reshard, so this process removes its files and
+    exits non-zero; call it from the main thread.
+    """
+    def handler(signum, frame):
+        raise TransferError(f"{WHAT}: process {rank} was stopped by SIGTERM (torchrun stops every "
+                            "worker when one fails; see its summary for the process that failed first)")
+    signal.signal(signal.SIGTERM, handler)
+
+
+@dataclass(frozen=True)
+class ProcessStats:
+    """What one process did.
+
+    Attributes:
+        process: its rank in the group.
+        ranks: the target ranks whose files it wrote.
+        bytes_read: bytes it fetched from the source's files (whole checksum blocks for a store).
+        bytes_needed: unique source bytes its files need.
+        bytes_written: tensor bytes it wrote.
+        seconds: its wall time, from entering the reshard to reporting its files.
+        bytes_shared: edge blocks it took from another process of its host
+            (:mod:`tenplex.store.hostcache`) instead of reading them again.
+    """
+
+    process: int
+    ranks: list[int]
+    bytes_read: int
+    bytes_needed: int
+    bytes_written: int
+    seconds: float
+    bytes_shared: int = 0
+
+
+@dataclass(frozen=True)
+class DistributedReshardReport:
+    """A reshard run by several processes (the same on every process).
+
+    Attributes:
+        src_format, format: the source's and the target's format names.
+        src, dst: the source's and the target's configs.
+        processes: one :class:`ProcessStats` per process.
+        files: target files written.
+        seconds: wall time on this process, to the commit.
+    """
+
+    src_format: str
+    format: str
+    src: ParallelConfig
+    dst: ParallelConfig
+    processes: list[ProcessStats]
+    files: int
+    seconds: float
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(p.bytes_read for p in self.processes)
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(p.bytes_needed for p in self.processes)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(p.bytes_written for p in self.processes)
+
+    def to_json(self) -> dict:
+        """The report as JSON: totals, and per process bytes and seconds."""
+        return {"src_format": self.src_format, "format": self.format, "src": str(self.src),
+                "dst": str(self.dst), "files": self.files, "seconds": self.seconds,
+                "bytes_read": self.bytes_read, "bytes_needed": self.bytes_needed,
+                "bytes_written": self.bytes_written, "processes": [asdict(p) for p in self.processes]}
+
+
+class _Counter:
+    """Adds this process's written bytes to a store key, at most every ``every`` seconds."""
+
+    def __init__(self, store, every: float = 0.2):
+        self.store, self.every = store, every
+        self.sent, self.done, self.last = 0, 0, 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.done = done
+            if now - self.last >= self.every or done == total:
+                self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        delta, self.sent = self.done - self.sent, self.done
+        self.last = time.monotonic() if now is None else now
+        if delta and self.store is not None:
+            try:
+                self.store.add("progress", delta)
+            except Exception:  # progress only: the guard reports a lost store
+                pass
+
+
+def _watch(store, total: int, progress, stop: threading.Event) -> None:
+    """Process 0: feed ``progress(done, total)`` from every process's counts until ``stop``."""
+    while not stop.wait(0.2):
+        try:
+            progress(min(store.add("progress", 0), total), total)
+        except Exception:
+            return
+
+
+def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, format: str | None = None,
+                        storage_options: dict | None = None, threads: int = 4, block: int = DEFAULT_BLOCK,
+                        max_open_files: int = MAX_OPEN_FILES, progress=None,
+                        timeout: float = RESHARD_TIMEOUT, **options) -> DistributedReshardReport:
+    """Reshard ``src`` to ``to`` at ``dst`` with every process of ``comm``; call it on each of them.
+
+    The target must be a tenplex store (``format`` None or ``"tenplex"`` with a
+    tenplex source, or ``"tenplex"``); the source may be any installed format.
+    ``src``, ``dst`` and the store must be reachable by every process (a
+    shared filesystem or an object store).
+
+    Args:
+        src, dst, to, format, storage_options, threads, block, max_open_files, options:
+            as :func:`tenplex.reshard` (the same on every process).
+        comm: the group (:func:`init_group`).
+        progress: ``progress(done_bytes, total_bytes)`` on process 0, fed by every process's counts.
+        timeout: seconds a process may stay silent before the reshard fails everywhere.
+
+    Returns:
+        The report, the same on every process.
+
+    Raises:
+        ConfigError: the target format cannot be written by several processes yet.
+        PlanError: the processes were called with different arguments.
+        AlreadyExistsError: ``dst`` holds a committed checkpoint.
+        CorruptShardError: a file is missing at ``dst`` as process 0 sees it (no shared store).
+        TransferError: a process failed, died or timed out; nothing is committed.
+    """
+    start = time.perf_counter()
+    src_fmt = detect(src)
+    out_fmt = get_format(format) if format else src_fmt
+    if out_fmt.name != TENPLEX:
+        raise ConfigError(f"{WHAT} under torchrun: target format {out_fmt.name!r} cannot be written by "
+                          f"several processes yet; expected --format {TENPLEX}, or run in one process")
+    opts = {**options, "storage_options": storage_options, "threads": threads}
+    with TransferGuard(comm, timeout=timeout, what=WHAT) as guard:
+        guard.phase("agree")
+        source = src_fmt.open_source(src, **opts)
+        tree = source.tree
+        inputs = {"src": src, "dst": dst, "to": to.to_json(), "format": out_fmt.name, "block": block,
+                  "source": source.config.to_json(), "tree": tree_digest(tree)}
+        everyone = [json.loads(b) for b in guard.gather("agree", json.dumps({"inputs": inputs}).encode())]
+        with guard.agreeing():
+            check_same_inputs(WHAT, everyone)
+        plan = make_plan(tree, source.config, to)
+        writer = _open(guard, comm, dst, tree, to, source.meta, storage_options, block)
+        mine = split_files(writer.entries(), comm.size, to)[comm.rank]
+        _share_edges(source, plan, mine, writer.token)  # edge blocks: read once per host
+        guard.phase("write")
+        stats, written = _write(guard, comm, source, plan, writer, mine, threads, max_open_files,
+                                progress, start)
+        guard.phase("confirm")
+        error = None
+        if comm.rank == 0:
+            records = {}
+            for item in written:
+                records.update(records_from_json(item["records"]))
+            try:
+                error = commit_gathered(writer, records, target_values(tree, plan, source), WHAT)
+            except AlreadyExistsError as exc:
+                error = str(exc)
+        error = json.loads(guard.gather("committed", json.dumps(error).encode())[0])
+        if error is not None:
+            with guard.agreeing():
+                _cleanup(writer, comm)
+                raise CorruptShardError(error)
+    return DistributedReshardReport(src_fmt.name, out_fmt.name, source.config, to, stats,
+                                    sum(len(s.ranks) for s in stats), time.perf_counter() - start)
+
+
+def _write(guard, comm, source, plan, writer, mine, threads, max_open_files, progress, start):
+    """Write this process's files; every process's stats and records, in process order."""
+    counter = _Counter(guard.store if guard.active else None)
+    writer.progress = counter if guard.active else progress
+    stop = threading.Event()
+    watcher = None
+    if comm.rank == 0 and progress is not None and guard.active:
+        watcher = threading.Thread(target=_watch, args=(guard.store, writer.total, progress, stop),
+                                   name="tenplex-progress", daemon=True)
+        watcher.start()
+    runner = StorePlanRunner(source, plan, threads)
+    host = getattr(source, "host_cache", None)
+    try:
+        stream_targets(runner, writer, threads=threads, max_open_files=max_open_files, ranks=mine)
+        counter.flush()
+        mine_stats = ProcessStats(comm.rank, mine, source.bytes_read, runner.bytes_needed,
+                                  writer.bytes_written, time.perf_counter() - start,
+                                  host.bytes_shared if host is not None else 0)
+        records = {k: asdict(v) for k, v in writer.records().items()}
+        blob = json.dumps({"stats": asdict(mine_stats), "records": records}).encode()
+        written = [json.loads(b) for b in guard.gather("written", blob)]
+    except BaseException:  # before every process has written, process 0 cannot have committed
+        _cleanup(writer, comm)
+        raise
+    finally:
+        runner.close()
+        if host is not None:  # after the gather (or a failure): no process reads any more
+            shutil.rmtree(host.folder, ignore_errors=True)
+        stop.set()
+        if watcher is not None:
+            watcher.join()
+    if progress is not None and comm.rank == 0:
+        progress(writer.total, writer.total)
+    return [ProcessStats(**w["stats"]) for w in written], written
+
+
+def _share_edges(source, plan, mine: list[int], token: str):
+    """Give a tenplex-store source a host folder for the edge blocks this process shares (or None).
+
+    The edge blocks are those of stored tensors this process reads that it
+    shares with stored tensors it does not (:func:`tenplex.store.hostcache.edge_blocks`).
+    """
+    manifest = getattr(source, "manifest", None)
+    if manifest is None or not hasattr(source, "host_cache"):
+        return None
+    cols = plan.table.cols
+    rows = np.isin(cols["dst"], np.asarray(mine, dtype=np.int32)) & (cols["kind"] != FILL_CODE)
+    paths = plan.table.paths
+    needed = set()
+    for p, r in set(zip(cols["path"][rows].tolist(), cols["src"][rows].tolist())):
+        rec = source.record(paths[p], r)
+        needed.add((rec.path, rec.rank))
+    folder = os.path.join(HOST_FOLDER, f"tenplex-reshard-{token}")
+    source.host_cache = HostBlockCache(folder, edge_blocks(manifest, needed))
+    return source.host_cache
+
+
+def _open(guard: TransferGuard, comm: Comm, dst, tree, to, meta, storage_options, block) -> StoreWriter:
+    """Process 0 refuses a committed ``dst`` and picks the run's file token; then every process opens a writer."""
+    answer = None
+    writer = None
+    if comm.rank == 0:
+        try:
+            writer = StoreWriter(dst, tree, to, storage_options=storage_options, meta=meta, block=block)
+            answer = {"token": writer.token}
+        except AlreadyExistsError as exc:
+            answer = {"exists": str(exc)}
+    answer = json.loads(guard.gather("cleared", json.dumps(answer).encode())[0])
+    if "exists" in answer:
+        with guard.agreeing():
+            raise AlreadyExistsError(answer["exists"])
+    if writer is None:
+        writer = StoreWriter(dst, tree, to, storage_options=storage_options, meta=meta, block=block,
+                             token=answer["token"])
+    return writer
+
+
+def _cleanup(writer: StoreWriter, comm: Comm) -> None:
+    """Remove this process's files; process 0 also removes every other file of this run (its token)."""
+    writer.abort()
+    if comm.rank == 0:
+        remove_token_files(writer, writer.entries())
+        writer.abort()  # the directories it created, now empty
