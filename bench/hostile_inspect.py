@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 from tenplex.api import save
 from tenplex.models import GPTSpec, gpt_tree, random_state
