@@ -155,6 +155,8 @@ def _grid(cfg, args, md, optim, where) -> tuple[int, int]:
         if "embedding.word_embeddings.weight" in md.state_dict_metadata else None
     tree = megatron_tree(cfg)
     for t in (1, 2, 4, 8, 16, 32, 64):
+        if cfg.num_query_groups % t:  # a guess: only tps that hold whole query groups (the rows
+            continue  # past vocab_size would be dropped on a wrong guess)
         if rows is None or cfg.padded_vocab(t) == rows:
             try:
                 tree.validate(ParallelConfig(tp=t))
