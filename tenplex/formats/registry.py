@@ -15,14 +15,33 @@ from tenplex.formats.protocol import Format
 from tenplex.formats.store import TENPLEX, TenplexFormat
 from tenplex.store.manifest import MANIFEST
 
-__all__ = ["formats", "get_format", "detect"]
+__all__ = ["formats", "get_format", "detect", "broken"]
 
 ENTRY_POINTS = "tenplex.formats"
 """The entry-point group formats register under."""
 
 
+def broken() -> dict[str, str]:
+    """``{entry point name: why it did not load}`` for installed format plugins that fail to import.
+
+    A plugin that cannot be imported (a stale install, a missing optional
+    dependency) does not stop the other formats: :func:`formats` leaves it
+    out, and :func:`get_format` and :func:`detect` name it and its error
+    where it could have been the one asked for.
+    """
+    out = {}
+    for ep in entry_points(group=ENTRY_POINTS):
+        try:
+            ep.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure of a plugin is reported, not raised
+            out[ep.name] = f"{ep.value}: {type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
 def formats() -> dict[str, Format]:
     """``{name: format}``: the tenplex store first, then every installed plugin by entry-point order.
+
+    Plugins that fail to import are left out (see :func:`broken`).
 
     Raises:
         ConfigError: a plugin's object lacks a call of the protocol, or its
@@ -30,7 +49,10 @@ def formats() -> dict[str, Format]:
     """
     out: dict[str, Format] = {TENPLEX: TenplexFormat()}
     for ep in entry_points(group=ENTRY_POINTS):
-        fmt = ep.load()
+        try:
+            fmt = ep.load()
+        except Exception:  # noqa: BLE001 - reported by broken()
+            continue
         if not isinstance(fmt, Format):
             raise ConfigError(f"entry point {ep.name} = {ep.value}: expected a tenplex.formats.Format "
                               f"(name, detect, describe, open_source, write, verify); found {type(fmt).__name__}")
@@ -48,7 +70,9 @@ def get_format(name: str) -> Format:
     """
     known = formats()
     if name not in known:
-        raise ConfigError(f"format {name!r}: unknown; expected one of {', '.join(known)}")
+        bad = broken()
+        why = f"; the plugin {name!r} is installed but does not load ({bad[name]})" if name in bad else ""
+        raise ConfigError(f"format {name!r}: unknown; expected one of {', '.join(known)}{why}")
     return known[name]
 
 
@@ -62,5 +86,6 @@ def detect(path: str) -> Format:
     for fmt in known.values():
         if fmt.detect(path):
             return fmt
+    bad = "".join(f"; plugin {n} does not load ({why})" for n, why in broken().items())
     raise ManifestError(f"{path}: not a checkpoint of any known format ({', '.join(known)}); "
-                        f"a tenplex checkpoint has a {MANIFEST}")
+                        f"a tenplex checkpoint has a {MANIFEST}{bad}")

@@ -36,3 +36,22 @@ def test_the_suite_catches_a_verify_that_checks_nothing(tmp_path):
     suite.format.write(StoreReader(str(tmp_path / "s")), written, suite.target_config)
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         suite.test_verify_finds_a_flipped_byte(written)
+
+
+def test_a_plugin_that_does_not_import_is_named_not_fatal(monkeypatch, tmp_path):
+    """A stale entry point (its module gone) leaves the other formats working and is named where asked for."""
+    import importlib.metadata as md
+
+    import pytest
+
+    from tenplex.errors import ConfigError, ManifestError
+    from tenplex.formats import registry
+
+    stale = md.EntryPoint(name="stale", value="no_such_module_xyz:FORMAT", group=registry.ENTRY_POINTS)
+    real = registry.entry_points
+    monkeypatch.setattr(registry, "entry_points", lambda group: [*real(group=group), stale])
+    assert "tenplex" in registry.formats() and "stale" not in registry.formats()
+    with pytest.raises(ConfigError, match="'stale' is installed but does not load .*no_such_module_xyz"):
+        registry.get_format("stale")
+    with pytest.raises(ManifestError, match="plugin stale does not load"):
+        registry.detect(str(tmp_path))
