@@ -11,7 +11,6 @@ format) a few target files at a time; ``verify`` checks the files on disk.
 
 from __future__ import annotations
 
-import json
 import os
 
 from tenplex.errors import ConfigError
@@ -19,6 +18,7 @@ from tenplex.formats.protocol import Description, VerifyResult, WriteResult
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.formats.dist.keys import is_dist
+from tenplex_megatron.formats.options import model_config as _model_config
 from tenplex_megatron.formats.records import description as _description, verified, written as _written
 from tenplex_megatron.formats.legacy.read import is_legacy
 
@@ -29,15 +29,6 @@ __all__ = ["LEGACY", "DIST"]
 
 CRC = "every record's CRC-32"
 """What ``verify`` checks of a ``torch.save`` archive."""
-
-
-def _model_config(options: dict) -> dict | None:
-    """The ``--model-config`` JSON file's fields (a whole config, or overrides of the args)."""
-    path = options.get("model_config")
-    if not path:
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _iteration(options: dict) -> int | str | None:

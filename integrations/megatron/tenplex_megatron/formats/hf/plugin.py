@@ -7,23 +7,14 @@ besides ``model_config``, ``threads``, ``progress`` and ``checksums``.
 
 from __future__ import annotations
 
-import json
 
 from tenplex.formats.protocol import Description, VerifyResult, WriteResult
 from tenplex.ptree.config import ParallelConfig
 
+from tenplex_megatron.formats.options import model_config as _overrides
 from tenplex_megatron.formats.records import description, verified, written
 
 __all__ = ["HF"]
-
-
-def _overrides(options: dict) -> dict | None:
-    """Megatron args from ``--model-config`` (a JSON file) that win over those made from ``config.json``."""
-    path = options.get("model_config")
-    if not path:
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 class _HF:
