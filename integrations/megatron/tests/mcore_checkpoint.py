@@ -299,6 +299,23 @@ class CheckpointMixin:
                     if "step" in st and isinstance(st["step"], self.torch.Tensor):
                         st["step"] = st["step"].clone()
 
+    def optim_by_name(self) -> dict:
+        """``{global parameter name: {"exp_avg", "exp_avg_sq"}}`` of a distributed optimizer that holds
+        whole parameters (one process: tp = pp = dp = 1), read from megatron-core's own groups
+        (``model_*_groups`` beside ``shard_*_groups``, whose shards key the inner Adam's state)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for sub in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+            pairs = [*zip(sub.model_fp32_groups, sub.shard_fp32_groups),
+                     *zip(sub.model_float16_groups, sub.shard_fp32_from_float16_groups)]
+            for models, shards in pairs:
+                for model_param, shard in zip(models, shards):
+                    state = sub.optimizer.state.get(shard, {})
+                    if "exp_avg" in state:
+                        out[names[id(model_param)]] = {
+                            k: state[k].detach().clone().view(model_param.shape) for k in ("exp_avg", "exp_avg_sq")}
+        return out
+
     def optim_summary(self, tag: str):
         """Print per-param Adam state checksums (rank 0) when TENPLEX_DEBUG_OPT is set."""
         if not os.environ.get("TENPLEX_DEBUG_OPT") or self.optimizer is None:

@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--also-load", nargs=4, action="append", default=[],
                    metavar=("FMT", "DIR", "FRESH", "LOGITS"),
                    help="after the actions above: rebuild, write FRESH logits, load DIR, write LOGITS")
+    p.add_argument("--also-load-optim-dir", default=None,
+                   help="after each --also-load (in order i), write the loaded Adam state by global "
+                        "parameter name to DIR/optim{i}.pt (one process only)")
     # optimizer path
     p.add_argument("--optimizer", action="store_true", help="build DDP + Adam even with 0 steps")
     p.add_argument("--train-steps", type=int, default=0)
@@ -431,13 +434,16 @@ def main(argv=None) -> int:
     if a.train_after_save > 0:
         assert a.train_steps > 0, "--train-after-save needs --train-steps (an optimizer)"
         w.train(a.train_after_save, first=a.train_steps)
-    for fmt, load_dir, fresh, logits_out in a.also_load:
+    for i, (fmt, load_dir, fresh, logits_out) in enumerate(a.also_load):
         assert fmt in ("legacy", "dist"), fmt
         w.reseed()
         w.build()
         w.write_logits(fresh)
         (w.load_legacy if fmt == "legacy" else w.load_dist)(load_dir)
         w.write_logits(logits_out)
+        if a.also_load_optim_dir:
+            assert w.world == 1, "--also-load-optim-dir reads whole parameters: one process"
+            w.torch.save(w.optim_by_name(), os.path.join(a.also_load_optim_dir, f"optim{i}.pt"))
     log0(f"TIME total {time.time() - _T0:.2f}")
     w.dist.barrier()
     w.dist.destroy_process_group()

@@ -6,7 +6,8 @@ Megatron-LM's layout at iteration 7. tenplex reshards the roots and the iteratio
 both formats; every output is a ``--save`` root whose tracker names iteration 7. One
 megatron-core job at tp 1 then loads each output as Megatron-LM's ``load_checkpoint`` does
 (tracker, then the iteration folder; ``mcore_checkpoint.megatron_load_dir``), model and
-optimizer, and reproduces the source's logits within 2e-6; a torch_dist output written for
+optimizer, and reproduces the source's logits within 2e-6 and its Adam moments by global
+parameter name, bit for bit; a torch_dist output written for
 pp 2 is loaded at pp 1 through megatron-core's own resharding.
 
 On e4220c6 the first reshard fails: ``iter_0000007: no mp_rank_* directories`` (the torch_dist
@@ -70,12 +71,33 @@ def test_save_roots_and_iteration_folders_reshard_and_load_in_megatron(saved, tm
         _reshard(src, out, to, fmt)
         _check_root(out, fmt)
         loads += ["--also-load", load_as, str(out), str(tmp_path / f"fresh{i}.pt"), str(tmp_path / f"got{i}.pt")]
-    run_worker(1, 1, MODELS["mha"], "--optimizer", "--dist-opt", *loads)
+    run_worker(1, 1, MODELS["mha"], "--optimizer", "--dist-opt", *loads, "--also-load-optim-dir", str(tmp_path))
     ref = logits(saved / "ref.pt")
+    want = _source_adam(saved / "legacy")
     for i, case in enumerate(cases):
         got, fresh = logits(tmp_path / f"got{i}.pt"), logits(tmp_path / f"fresh{i}.pt")
         assert (got - ref).abs().max().item() <= 2e-6, case
         assert (fresh - ref).abs().max().item() > 1e-3, case  # the load did something
+        loaded = torch.load(tmp_path / f"optim{i}.pt")
+        assert {(n, k) for n in loaded for k in loaded[n]} == set(want), case
+        for (name, state), tensor in want.items():  # logical rows: megatron-core pads the vocabulary
+            assert torch.equal(loaded[name][state][: tensor.shape[0]], tensor), (case, name, state)
+
+
+def _source_adam(root: pathlib.Path) -> dict:
+    """``{(global parameter name, "exp_avg" | "exp_avg_sq"): global tensor}`` of the source, as tenplex
+    reads it (logical rows)."""
+    from tenplex.formats.conformance import global_tensors
+    from tenplex_megatron.formats.plugin import LEGACY as LEGACY_FORMAT
+
+    out = {}
+    for path, tensor in global_tensors(LEGACY_FORMAT.open_source(str(root))).items():
+        kind, _, rest = path.partition("/")
+        state, _, name = rest.partition("/")
+        if kind == "optimizer" and state in ("exp_avg", "exp_avg_sq"):
+            out[(name.replace("/", "."), state)] = tensor
+    assert out, "the source holds no Adam state"
+    return out
 
 
 def test_iteration_picks_a_folder_and_a_missing_one_is_named(saved, tmp_path):
