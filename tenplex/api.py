@@ -99,7 +99,7 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
     """
     reader = StoreReader(url, storage_options)
     config = config or reader.config
-    plan = make_plan(reader.tree, reader.config, config)
+    plan = make_plan(reader.tree, reader.config, config, src_sharding=reader.sharding)
     config.coord(rank)
     runner = StorePlanRunner(reader, plan, threads)
     try:

@@ -244,7 +244,7 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
         everyone = [json.loads(b) for b in guard.gather("agree", json.dumps({"inputs": inputs}).encode())]
         with guard.agreeing():
             check_same_inputs(WHAT, everyone)
-        plan = make_plan(tree, source.config, to)
+        plan = make_plan(tree, source.config, to, src_sharding=source.sharding)
         writer = _open(guard, comm, dst, tree, to, source.meta, storage_options, block)
         mine = split_files(writer.entries(), comm.size, to)[comm.rank]
         _share_edges(source, plan, mine, writer.token)  # edge blocks: read once per host

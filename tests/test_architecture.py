@@ -184,3 +184,19 @@ def test_the_walk_sees_imports_inside_functions(tmp_path):
     path.write_text("def f():\n    from tenplex_megatron.formats.dist import read\n    return read\n")
     assert _imports("tenplex_megatron.formats.legacy.probe", path, set(GRAPH)) == \
         {"tenplex_megatron.formats.dist.read"}
+
+
+def test_no_process_global_caches():
+    """No ``functools.lru_cache``/``cache`` in the libraries: what is derived from a config is built once
+    per operation and handed down (the plan carries its shardings; a Megatron config keeps what is
+    derived from it, ``tenplex_megatron.model.derived``), never kept in process-global state."""
+    found = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for dec in node.decorator_list:
+                    target = dec.func if isinstance(dec, ast.Call) else dec
+                    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                    if name in ("lru_cache", "cache"):
+                        found.append(f"{module}.{node.name}")
+    assert not found, f"process-global caches: {found}"

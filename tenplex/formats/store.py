@@ -59,11 +59,11 @@ def write_store(source: ShardSource, dst: str, to: ParallelConfig, *, threads: i
             ``dst``, and what was written there is removed.
     """
     tree = source.tree
-    plan = make_plan(tree, source.config, to)
+    plan = make_plan(tree, source.config, to, src_sharding=source.sharding)
     runner = StorePlanRunner(source, plan, threads)
     try:
         with StoreWriter(dst, tree, to, storage_options=storage_options, meta=source.meta,
-                         block=block, progress=progress) as writer:
+                         block=block, progress=progress, sharding=plan.dst_sharding(tree)) as writer:
             stream_targets(runner, writer, threads=threads, max_open_files=max_open_files)
             writer.commit(target_values(tree, plan, source))
     finally:

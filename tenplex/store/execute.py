@@ -21,7 +21,6 @@ import torch
 from tenplex.errors import PlanError
 from tenplex.ptree.region import Box, flat_start, is_contiguous, relative, to_slices
 from tenplex.ptree.shards import piece_view
-from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, torch_dtype
 from tenplex.store.blocks import box_runs
 from tenplex.store.source import ShardSource
@@ -61,7 +60,7 @@ class StorePlanRunner:
             raise PlanError(f"plan starts from {plan.src}, the store holds {reader.config}")
         self.reader, self.plan, self.tree = reader, plan, reader.tree
         self.S = reader.sharding
-        self.D = Sharding(self.tree, plan.dst)
+        self.D = plan.dst_sharding(self.tree)
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads))
         self.bytes_needed = 0
         self._lock = threading.Lock()

@@ -78,6 +78,8 @@ class Manifest:
     files: dict[str, FileRecord]
     tensors: dict[tuple[str, int], TensorRecord]
     meta: dict = field(default_factory=dict)
+    sharding: Any = field(default=None, compare=False, repr=False)
+    """``Sharding(tree, config)`` as the parser built it to check the records (not serialized)."""
 
     def to_json(self, regions: dict | None = None) -> dict:
         tensors = []

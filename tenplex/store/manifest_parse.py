@@ -80,7 +80,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(meta, dict):
         raise ManifestError(f"{where}: meta: expected an object, found {type(meta).__name__}")
     _depth(meta, f"{where}: meta")
-    return Manifest(config, tree, values, files, tensors, meta)
+    return Manifest(config, tree, values, files, tensors, meta, sharding=sharding)
 
 
 def _count(value: Any, field: str, lo: int = 0, hi: int = _MAX_INT) -> int:

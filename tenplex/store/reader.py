@@ -80,7 +80,7 @@ class StoreReader:
         self.manifest = open_manifest(self.root)
         self.tree, self.config = self.manifest.tree, self.manifest.config
         self.meta = self.manifest.meta
-        self.sharding = Sharding(self.tree, self.config)
+        self.sharding = self.manifest.sharding or Sharding(self.tree, self.config)
         self.bytes_read = 0
         self.requests = 0
         self.cache_blocks = 64

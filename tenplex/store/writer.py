@@ -144,6 +144,8 @@ class StoreWriter:
             leftovers of an interrupted save (a writer now never removes
             files it did not write, and its file names never collide).
         token: this writer's file-name token (default: random).
+        sharding: ``Sharding(tree, config)`` where the caller holds it already (a plan's
+            :meth:`~tenplex.transform.plan.Plan.dst_sharding`); built here otherwise.
 
     Raises:
         AlreadyExistsError: if ``url`` holds a committed checkpoint.
@@ -153,13 +155,14 @@ class StoreWriter:
     def __init__(self, url: str | StoreRoot, tree: PTree, config: ParallelConfig, *,
                  storage_options: dict | None = None, block: int = DEFAULT_BLOCK,
                  meta: dict | None = None, progress: Progress | None = None,
-                 clear: bool | None = None, token: str | None = None):
+                 clear: bool | None = None, token: str | None = None,
+                 sharding: Sharding | None = None):
         self.root = url if isinstance(url, StoreRoot) else StoreRoot(url, storage_options)
         if not 0 < block <= MAX_BLOCK:
             raise StoreError(f"{self.root}: checksum block: expected 0 < block <= {MAX_BLOCK} "
                              f"bytes, found {block}")
         self.tree, self.config = tree, config
-        self.sharding = Sharding(tree, config)
+        self.sharding = sharding if sharding is not None and sharding.config == config else Sharding(tree, config)
         self.block, self.meta, self.progress = block, dict(meta or {}), progress
         self.token = token or uuid.uuid4().hex[:16]
         if self.root.exists(MANIFEST):

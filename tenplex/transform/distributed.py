@@ -42,7 +42,6 @@ import torch
 from tenplex.errors import PlanError
 from tenplex.ptree.region import Box, decompose_flat, is_contiguous, relative, shift, to_slices, volume
 from tenplex.ptree.shards import piece_view
-from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
 from tenplex.transform.comm import Comm
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
@@ -127,7 +126,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     proc_src = _owners(src_of, plan.src.world_size, "source")
     proc_dst = _owners(dst_of, plan.dst.world_size, "target")
     my_dst = dst_of[me]
-    out = allocate(tree, Sharding(tree, plan.dst), my_dst) if my_dst is not None else None
+    out = allocate(tree, plan.dst_sharding(tree), my_dst) if my_dst is not None else None
     if out is not None and torch.device(device).type != "cpu":
         out = {k: v.to(device) for k, v in out.items()}
     stats = DistStats()
@@ -216,7 +215,7 @@ class _Context:
     """Views of source and target regions for plan rows."""
 
     def __init__(self, plan: Plan, tree: PTree, local, out):
-        self.S, self.D = Sharding(tree, plan.src), Sharding(tree, plan.dst)
+        self.S, self.D = plan.src_sharding(tree), plan.dst_sharding(tree)
         self.local, self.out = local, out
         self.table = plan.table
         self._held: dict = {}

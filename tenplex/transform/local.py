@@ -75,7 +75,7 @@ def execute_local(plan: Plan, tree: PTree, src_shards: Mapping[int, Mapping[str,
             has STORE reads (the store executor runs those).
         ShardError: if a source shard has the wrong shape or dtype.
     """
-    S, D = Sharding(tree, plan.src), Sharding(tree, plan.dst)
+    S, D = plan.src_sharding(tree), plan.dst_sharding(tree)
     ranks = range(plan.dst.world_size) if dst_ranks is None else sorted(dst_ranks)
     out = {r: allocate(tree, D, r) for r in ranks}
     for op in plan.values:

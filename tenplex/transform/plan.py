@@ -17,6 +17,8 @@ import xxhash
 from tenplex.errors import PlanError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.region import Box
+from tenplex.ptree.sharding import Sharding
+from tenplex.ptree.tree import PTree
 from tenplex.transform.placement import Placement
 
 __all__ = ["OpKind", "Link", "CopyOp", "ValueOp", "PaddingChange", "Totals", "OpTable", "Plan",
@@ -283,6 +285,9 @@ class Plan:
         values: value-leaf ops, ordered by target rank then tree order.
         padding: padded axes whose padded length changes.
         totals: byte counts.
+        shardings: ``(Sharding(tree, src), Sharding(tree, dst))`` as the planner built them, for
+            the executors and writers of this plan (not compared, hashed or serialized; empty
+            for a plan read from JSON): see :meth:`src_sharding`, :meth:`dst_sharding`.
     """
 
     src: ParallelConfig
@@ -294,6 +299,15 @@ class Plan:
     values: tuple[ValueOp, ...] = ()
     padding: tuple[PaddingChange, ...] = ()
     totals: Totals = field(default_factory=Totals)
+    shardings: tuple = field(default=(), compare=False, repr=False)
+
+    def src_sharding(self, tree: PTree) -> Sharding:
+        """The source config's geometry of ``tree``: the planner's, or built where the plan has none."""
+        return self.shardings[0] if self.shardings else Sharding(tree, self.src)
+
+    def dst_sharding(self, tree: PTree) -> Sharding:
+        """The target config's geometry of ``tree``: the planner's, or built where the plan has none."""
+        return self.shardings[1] if self.shardings else Sharding(tree, self.dst)
 
     @property
     def ops(self) -> OpTable:

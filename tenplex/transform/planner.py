@@ -36,7 +36,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tenplex.errors import ConfigError, MissingDataError
+from tenplex.errors import ConfigError, MissingDataError, PlanError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.region import Box
 from tenplex.ptree.sharding import Sharding
@@ -50,9 +50,20 @@ from tenplex.transform.template import (HOST, LOCAL, NETWORK, STORE, Choice, Dev
 __all__ = ["make_plan"]
 
 
+def _given(sharding: Sharding | None, tree: PTree, config: ParallelConfig) -> Sharding | None:
+    """A caller's sharding, checked to be ``tree``'s at ``config``."""
+    if sharding is None:
+        return None
+    if sharding.config != config or (sharding.tree is not tree and sharding.tree != tree):
+        raise PlanError(f"a sharding was given for {sharding.config}, but the plan's config is {config} "
+                        f"(or its tree differs)")
+    return sharding
+
+
 def make_plan(tree: PTree, src: ParallelConfig, dst: ParallelConfig, *,
               src_placement: Placement | None = None, dst_placement: Placement | None = None,
-              alive: Iterable[int] | None = None, store_fallback: bool = False) -> Plan:
+              alive: Iterable[int] | None = None, store_fallback: bool = False,
+              src_sharding: Sharding | None = None, dst_sharding: Sharding | None = None) -> Plan:
     """Plan the move of ``tree``'s state from config ``src`` to config ``dst``.
 
     Args:
@@ -67,6 +78,9 @@ def make_plan(tree: PTree, src: ParallelConfig, dst: ParallelConfig, *,
         alive: the source ranks that can serve data; default all.
         store_fallback: plan boxes no live rank holds as STORE reads
             (``src_rank == -1``) instead of raising.
+        src_sharding, dst_sharding: the configs' geometry of ``tree`` where the caller already
+            holds it (a reader's ``sharding``); built here otherwise. The plan carries both
+            (:attr:`Plan.shardings`), so executors and writers build none.
 
     Returns:
         The plan; the same inputs give the same plan, byte for byte.
@@ -86,8 +100,8 @@ def make_plan(tree: PTree, src: ParallelConfig, dst: ParallelConfig, *,
         raise ConfigError(f"alive ranks {sorted(alive_set - set(range(src.world_size)))} "
                           f"are not ranks of {src}")
     with _gc_paused():
-        builder = _Builder(tree, Sharding(tree, src), Sharding(tree, dst), src_placement,
-                           dst_placement, alive_set, store_fallback)
+        S, D = _given(src_sharding, tree, src) or Sharding(tree, src), _given(dst_sharding, tree, dst) or Sharding(tree, dst)
+        builder = _Builder(tree, S, D, src_placement, dst_placement, alive_set, store_fallback)
         for index, (path, leaf) in enumerate(tree.tensors()):
             builder.leaf(index, path, leaf)
     if builder.missing:
@@ -95,7 +109,7 @@ def make_plan(tree: PTree, src: ParallelConfig, dst: ParallelConfig, *,
     table = builder.table()
     return Plan(src, dst, src_placement, dst_placement, tuple(sorted(alive_set)), table,
                 _value_ops(tree, src, dst, alive_set), tuple(builder.padding),
-                builder.totals(table))
+                builder.totals(table), shardings=(S, D))
 
 
 @contextlib.contextmanager

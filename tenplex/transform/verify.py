@@ -33,7 +33,7 @@ def check_plan(plan: Plan, tree: PTree) -> None:
     Raises:
         PlanError: naming the leaf, rank and region at fault.
     """
-    S, D = Sharding(tree, plan.src), Sharding(tree, plan.dst)
+    S, D = plan.src_sharding(tree), plan.dst_sharding(tree)
     alive = set(plan.alive)
     counters: dict = {}
     totals = {"needed": 0, "fill": 0}

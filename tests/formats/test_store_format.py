@@ -55,3 +55,29 @@ def test_a_plugin_that_does_not_import_is_named_not_fatal(monkeypatch, tmp_path)
         registry.get_format("stale")
     with pytest.raises(ManifestError, match="plugin stale does not load"):
         registry.detect(str(tmp_path))
+
+
+def test_a_reshard_builds_one_sharding_per_config(tmp_path, monkeypatch):
+    """Geometry is built once per config per operation: the reader's for the source, the planner's
+    for the target; the store executor and the writer take them from the plan."""
+    import tenplex
+    from tenplex.ptree import sharding as sharding_module
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex.ptree.shards import materialize
+    from tenplex.store.writer import save
+
+    suite = FormatConformance()
+    tree, src = suite.make_tree(), ParallelConfig(dp=2, tp=2)
+    state = suite.make_state(tree, src)
+    save(str(tmp_path / "a"), tree, src, {r: materialize(tree, state, src, r) for r in range(src.world_size)})
+    built = []
+    real = sharding_module.Sharding.__init__
+
+    def counting(self, tree, config):
+        built.append(config)
+        real(self, tree, config)
+
+    monkeypatch.setattr(sharding_module.Sharding, "__init__", counting)
+    to = ParallelConfig(dp=1, tp=1, pp=2)
+    tenplex.reshard(str(tmp_path / "a"), str(tmp_path / "b"), to)
+    assert sorted(map(str, built)) == sorted([str(src), str(to)]), built

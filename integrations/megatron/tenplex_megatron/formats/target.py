@@ -78,7 +78,8 @@ class TargetBuilder:
                  progress: Callable[[int, int], None] | None = None):
         self.source, self.to, self.threads, self.budget = source, to, max(1, threads), budget
         self.tree = source.tree
-        self.plan = make_plan(self.tree, source.config, to)  # validates the tree at ``to`` first
+        self.plan = make_plan(self.tree, source.config, to,  # validates the tree at ``to`` first
+                              src_sharding=source.sharding)
         check_attention_tp(megatron_meta(source)[0], to.tp)
         self.runner = StorePlanRunner(source, self.plan, self.threads)
         self.values = target_values(self.tree, self.plan, source)

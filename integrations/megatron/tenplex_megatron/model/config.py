@@ -87,6 +87,10 @@ class MegatronConfig:
     moe_layer_freq: int | tuple = 1
     moe_grouped_gemm: bool = False
 
+    def __getstate__(self) -> dict:
+        """The fields only: what is derived from the config (:mod:`tenplex_megatron.model.derived`) stays behind."""
+        return {k: v for k, v in self.__dict__.items() if k != "_derived"}
+
     def __post_init__(self) -> None:
         check_fields(vars(self), "MegatronConfig")
         if isinstance(self.moe_layer_freq, list):

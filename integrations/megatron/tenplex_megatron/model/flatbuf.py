@@ -25,7 +25,6 @@ one bucket per buffer (plus the shared embedding's own bucket).
 
 from __future__ import annotations
 
-from functools import lru_cache
 from math import prod
 from typing import Any, Callable
 
@@ -36,6 +35,7 @@ from tenplex.ptree.buffer import layout_buffer
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 
+from tenplex_megatron.model.derived import derived
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, megatron_tree, optimizer_path, param_order
 from tenplex_megatron.torchfiles.ptfile import TensorRef
@@ -50,9 +50,8 @@ FLAT_DTYPE = torch.float32
 """The dtype of the optimizer state in the buffers (fp32 main params and moments)."""
 
 
-@lru_cache(maxsize=64)
 def _sharding(cfg: MegatronConfig, config: ParallelConfig) -> Sharding:
-    return Sharding(megatron_tree(cfg), config)
+    return derived(cfg, ("sharding", config), lambda: Sharding(megatron_tree(cfg), config))
 
 
 def buffer_layout(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, group: int = 1,

@@ -23,13 +23,13 @@ One table, :func:`param_specs`, lists the model's parameters in Megatron's
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.layout import Expert, Layout, Padding, Split, Stage, StageKind
 from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
 
+from tenplex_megatron.model.derived import derived
 from tenplex_megatron.model.config import MegatronConfig
 
 __all__ = ["check_attention_tp", "check_names", "NAMES", "TE_KEYS_MAP", "ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
@@ -132,13 +132,15 @@ def param_specs(cfg: MegatronConfig) -> list[ParamSpec]:
     return list(_param_specs(cfg))
 
 
-@lru_cache(maxsize=32)
 def _spec_index(cfg: MegatronConfig) -> dict[str, ParamSpec]:
-    return {s.path: s for s in _param_specs(cfg)}
+    return derived(cfg, "spec_index", lambda: {s.path: s for s in _param_specs(cfg)})
 
 
-@lru_cache(maxsize=32)
 def _param_specs(cfg: MegatronConfig) -> tuple[ParamSpec, ...]:
+    return derived(cfg, "param_specs", lambda: _make_param_specs(cfg))
+
+
+def _make_param_specs(cfg: MegatronConfig) -> tuple[ParamSpec, ...]:
     dt, h = cfg.params_dtype, cfg.hidden_size
     vocab = Layout(Stage(StageKind.FIRST_AND_LAST) if cfg.tied else Stage(StageKind.FIRST),
                    Split(0, unit="padded_vocab_size"), Padding(0, cfg.make_vocab_size_divisible_by))

@@ -29,11 +29,11 @@ bucket's layout is :func:`tenplex_megatron.model.flatbuf.buffer_layout`'s.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 from tenplex.ptree.config import Coord, ParallelConfig
 
+from tenplex_megatron.model.derived import derived
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.formats.dist.keys import flat_key, object_key
 from tenplex_megatron.model.flatbuf import buffer_layout, shard_group
@@ -82,13 +82,17 @@ def chained(cfg: MegatronConfig, config: ParallelConfig) -> bool:
     return bool(cfg.num_moe_experts) and config.ep > 1
 
 
-@lru_cache(maxsize=32)
 def optimizer_buffers(cfg: MegatronConfig, config: ParallelConfig) -> tuple[OptimBuffer, ...]:
     """Every buffer of every distributed optimizer of ``config``, dense ones first.
 
     Returns:
-        One :class:`OptimBuffer` per (sub-optimizer, ``dp_group_idx``, ``gbuf_idx``).
+        One :class:`OptimBuffer` per (sub-optimizer, ``dp_group_idx``, ``gbuf_idx``)
+        (made once per ``cfg`` object and config, :func:`~tenplex_megatron.model.derived.derived`).
     """
+    return derived(cfg, ("buffers", config), lambda: _make_buffers(cfg, config))
+
+
+def _make_buffers(cfg: MegatronConfig, config: ParallelConfig) -> tuple[OptimBuffer, ...]:
     two = chained(cfg, config)
     out = []
     for p in range(config.pp):
@@ -118,8 +122,11 @@ def expected_flat(cfg: MegatronConfig, config: ParallelConfig, dtypes) -> dict[s
     return _expected_flat(cfg, config, tuple(dtypes))
 
 
-@lru_cache(maxsize=32)
 def _expected_flat(cfg: MegatronConfig, config: ParallelConfig, dtypes: tuple) -> dict[str, int]:
+    return derived(cfg, ("expected_flat", config, dtypes), lambda: _make_expected_flat(cfg, config, dtypes))
+
+
+def _make_expected_flat(cfg: MegatronConfig, config: ParallelConfig, dtypes: tuple) -> dict[str, int]:
     out = {}
     for buf in optimizer_buffers(cfg, config):
         for b, (_, numel, _) in enumerate(buf.layout(cfg, config)):
@@ -128,8 +135,11 @@ def _expected_flat(cfg: MegatronConfig, config: ParallelConfig, dtypes: tuple) -
     return out
 
 
-@lru_cache(maxsize=32)
 def _paths(cfg: MegatronConfig, config: ParallelConfig) -> dict:
+    return derived(cfg, ("paths", config), lambda: _make_paths(cfg, config))
+
+
+def _make_paths(cfg: MegatronConfig, config: ParallelConfig) -> dict:
     out: dict = {}
     for buf in optimizer_buffers(cfg, config):
         for b, (entries, _, _) in enumerate(buf.layout(cfg, config)):

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from functools import lru_cache
 
 from tenplex.errors import TenplexError
 from tenplex.ptree.sharding import Sharding
 
+from tenplex_megatron.model.derived import derived
 from tenplex_megatron.formats.folders import locate
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
@@ -170,8 +170,11 @@ def extra_state_objects(cfg: MegatronConfig, layer: int, names: str = "local") -
     return out
 
 
-@lru_cache(maxsize=8)
 def _all_extra_objects(cfg: MegatronConfig) -> frozenset:
+    return derived(cfg, "extra_objects", lambda: _make_all_extra_objects(cfg))
+
+
+def _make_all_extra_objects(cfg: MegatronConfig) -> frozenset:
     """Every extra-state object of either naming scheme (TE adds ``core_attention``'s)."""
     return frozenset(k for layer in range(cfg.num_layers) for names in NAMES
                      for k in extra_state_objects(cfg, layer, names))
