@@ -57,3 +57,32 @@ class TestDistFormat(_Megatron):
 
     def metadata_file(self, path: str) -> str:
         return glob.glob(f"{path}/**/.metadata", recursive=True)[0]
+
+
+def test_a_megatron_to_store_reshard_builds_one_sharding_per_config(tmp_path, monkeypatch):
+    """The reader's sharding travels with its description into the source and the plan; the plan's
+    reaches the store executor and the writer: one ``Sharding`` per config per reshard."""
+    import tenplex
+    from tenplex.ptree import sharding as sharding_module
+    from tenplex.ptree.shards import materialize
+    from tenplex.store.reader import StoreReader
+    from tenplex.store.writer import save
+
+    for case in (TestLegacyFormat(), TestDistFormat()):
+        tree, src = case.make_tree(), case.source_config
+        state = case.make_state(tree, src)
+        root = tmp_path / case.format.name
+        save(str(root / "a"), tree, src, {r: materialize(tree, state, src, r) for r in range(src.world_size)},
+             meta=case.meta(tree))
+        case.format.write(StoreReader(str(root / "a")), str(root / "m"), case.target_config)
+        built, real = [], sharding_module.Sharding.__init__
+
+        def counting(self, tree, config, real=real, built=built):
+            built.append(str(config))
+            real(self, tree, config)
+
+        monkeypatch.setattr(sharding_module.Sharding, "__init__", counting)
+        to = ParallelConfig(dp=1, tp=2, pp=1)
+        tenplex.reshard(str(root / "m"), str(root / "out"), to, format="tenplex")
+        monkeypatch.setattr(sharding_module.Sharding, "__init__", real)
+        assert sorted(built) == sorted([str(case.target_config), str(to)]), (case.format.name, built)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
 
 from tenplex_megatron.model.config import MegatronConfig
@@ -29,6 +30,8 @@ class Description:
             format, the model config, the optimizer kind and the
             distributed optimizer's buffer dtypes.
         notes: remarks for the user (e.g. a dropped RNG state), one line each.
+        sharding: ``Sharding(tree, config)`` as the reader built it (handed to the source, so
+            an operation builds the geometry once).
     """
 
     cfg: MegatronConfig
@@ -37,3 +40,4 @@ class Description:
     values: dict[str, Any]
     meta: dict
     notes: list[str] = field(default_factory=list)
+    sharding: Sharding | None = field(default=None, compare=False, repr=False)

@@ -57,7 +57,7 @@ class MegatronSource:
     def __init__(self, desc: Description):
         self.desc = desc
         self.tree, self.config, self.meta = desc.tree, desc.config, desc.meta
-        self.sharding = Sharding(self.tree, self.config)
+        self.sharding = desc.sharding or Sharding(self.tree, self.config)
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._first: dict[str, dict[int, int]] = {}

@@ -342,7 +342,8 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
         raise ManifestError(f"{root}: dp_reshardable optimizer buffers of a TransformerEngine model: their "
                             "order follows TE's modules, which tenplex does not model; save the optimizer "
                             "fully_reshardable")
-    dtypes = _check_keys(cfg, Sharding(tree, config), md, optim, None, root, names)
+    sharding = Sharding(tree, config)
+    dtypes = _check_keys(cfg, sharding, md, optim, None, root, names)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
@@ -376,4 +377,4 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim, "names": names,
                          "buffer_dtypes": list(dtypes) if dtypes else None,
                          "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
-    return FoundDist(Description(cfg, config, tree, values, meta), md, nbytes, refs)
+    return FoundDist(Description(cfg, config, tree, values, meta, sharding=sharding), md, nbytes, refs)

@@ -427,7 +427,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     meta["megatron"]["names"] = names.pop() if names else "local"
     steps = _steps(first["optimizer"]) if kind == "adam" else []
     notes = [extra_state_note(len(dropped), dropped[0])] if dropped else []
-    return Found(Description(cfg, config, tree, values, meta, notes), refs, rng_refs, steps, nbytes)
+    return Found(Description(cfg, config, tree, values, meta, notes, sharding), refs, rng_refs, steps, nbytes)
 
 
 class LegacySource(MegatronSource):
