@@ -11,11 +11,11 @@ checks of a whole store); ``url`` (fsspec roots).
 """
 
 from tenplex.store.fetch import read_region
-from tenplex.store.manifest import FORMAT, MANIFEST, FileRecord, Manifest, TensorRecord
+from tenplex.store.manifest import MANIFEST_SCHEMA, MANIFEST, FileRecord, Manifest, TensorRecord
 from tenplex.store.reader import StoreReader, open_manifest
 from tenplex.store.source import ShardSource
 from tenplex.store.url import StoreRoot
 from tenplex.store.writer import StoreWriter, save
 
-__all__ = ["FORMAT", "MANIFEST", "FileRecord", "Manifest", "ShardSource", "StoreReader",
+__all__ = ["MANIFEST_SCHEMA", "MANIFEST", "FileRecord", "Manifest", "ShardSource", "StoreReader",
            "StoreRoot", "StoreWriter", "TensorRecord", "open_manifest", "read_region", "save"]

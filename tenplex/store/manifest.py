@@ -27,9 +27,9 @@ from typing import Any
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import PTree
 
-__all__ = ["FORMAT", "MANIFEST", "FileRecord", "TensorRecord", "Manifest"]
+__all__ = ["MANIFEST_SCHEMA", "MANIFEST", "FileRecord", "TensorRecord", "Manifest"]
 
-FORMAT = "tenplex.store/1"
+MANIFEST_SCHEMA = "tenplex.store/1"
 MANIFEST = "manifest.json"
 
 
@@ -89,7 +89,7 @@ class Manifest:
             if regions and (path, rank) in regions:
                 item["regions"] = [b.to_json() for b in regions[(path, rank)]]
             tensors.append(item)
-        return {"format": FORMAT, "config": self.config.to_json(), "tree": self.tree.to_json(),
+        return {"format": MANIFEST_SCHEMA, "config": self.config.to_json(), "tree": self.tree.to_json(),
                 "values": self.values, "files": {k: v.to_json() for k, v in self.files.items()},
                 "tensors": tensors, "meta": self.meta}
 

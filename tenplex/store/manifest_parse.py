@@ -31,7 +31,7 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, check_path
 from tenplex.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_WORLD, short
 from tenplex.store.bounded_json import load_json
-from tenplex.store.manifest import FORMAT, FileRecord, Manifest, TensorRecord
+from tenplex.store.manifest import MANIFEST_SCHEMA, FileRecord, Manifest, TensorRecord
 
 __all__ = ["MAX_MANIFEST", "MAX_BLOCK", "MAX_DEPTH", "MAX_WORLD", "parse_manifest"]
 
@@ -61,9 +61,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     obj = load_json(data, where, max_bytes=MAX_MANIFEST, max_depth=MAX_DEPTH + 4)
     if not isinstance(obj, dict):
         raise ManifestError(f"{where}: expected a JSON object, found {type(obj).__name__}")
-    if obj.get("format") != FORMAT:
+    if obj.get("format") != MANIFEST_SCHEMA:
         raise ManifestError(f"{where}: unknown format {short(obj.get('format'))}; "
-                            f"this tenplex reads {FORMAT!r}")
+                            f"this tenplex reads {MANIFEST_SCHEMA!r}")
     for key in ("config", "tree", "files", "tensors"):
         if key not in obj:
             raise ManifestError(f"{where}: field {key!r} is missing")

@@ -22,9 +22,9 @@ from tenplex.ptree.tree import PTree
 from tenplex.transform.placement import Placement
 
 __all__ = ["OpKind", "Link", "CopyOp", "ValueOp", "PaddingChange", "Totals", "OpTable", "Plan",
-           "FORMAT", "STORE_RANK"]
+           "PLAN_SCHEMA", "STORE_RANK"]
 
-FORMAT = "tenplex.plan/1"
+PLAN_SCHEMA = "tenplex.plan/1"
 
 
 class OpKind(enum.Enum):
@@ -356,7 +356,7 @@ class Plan:
     def _header(self) -> dict:
         """Everything but the op table, as JSON."""
         return {
-            "format": FORMAT,
+            "format": PLAN_SCHEMA,
             "src": self.src.to_json(),
             "dst": self.dst.to_json(),
             "src_placement": self.src_placement.to_json(),
@@ -382,9 +382,9 @@ class Plan:
         Raises:
             PlanError: on an unknown format or malformed content.
         """
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        if not isinstance(obj, dict) or obj.get("format") != PLAN_SCHEMA:
             found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-            raise PlanError(f"plan: expected format {FORMAT!r}, found {found!r}")
+            raise PlanError(f"plan: expected format {PLAN_SCHEMA!r}, found {found!r}")
         try:
             values = tuple(ValueOp(p, d, s) for p, d, s in obj["values"])
             padding = tuple(PaddingChange(*row) for row in obj["padding"])

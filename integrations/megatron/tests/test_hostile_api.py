@@ -141,7 +141,7 @@ def _globals_named(data: bytes) -> set:
 
 def test_dcp_allow_list_is_exactly_what_real_metadata_names(real):
     named = _globals_named((real / "dist" / ".metadata").read_bytes())
-    allowed = set(dcp_safe.ALLOWED_GLOBALS)
+    allowed = set(dcp_safe.DCP_GLOBALS)
     dtypes = {("torch", n) for n in safe_load_module.TORCH_DTYPES}
     assert named <= allowed
     assert allowed - dtypes == named - dtypes, "an allowed DCP global that real files do not name"
@@ -153,20 +153,20 @@ def test_pt_allow_list_is_exactly_what_real_files_name(real):
         data = pt_records((real / rel).read_bytes())["data.pkl"]  # protocol 2: GLOBAL only
         named |= {tuple(arg.split(" ", 1)) for op, arg, _ in pickletools.genops(data)
                   if op.name == "GLOBAL"}
-    allowed = set(safe_load_module.ALLOWED_GLOBALS)
-    values = {k for k, r in safe_load_module.ALLOWED_GLOBALS.items()
+    allowed = set(safe_load_module.TORCH_GLOBALS)
+    values = {k for k, r in safe_load_module.TORCH_GLOBALS.items()
               if k[0] == "torch" and r.reduce is None and r.new is None}  # dtypes and storage types
     assert named <= allowed
     # numpy 1.x wrote the same _reconstruct under numpy.core.multiarray
     assert allowed - values - named == {("numpy.core.multiarray", "_reconstruct")}
-    assert all(r.reason for r in safe_load_module.ALLOWED_GLOBALS.values())
+    assert all(r.reason for r in safe_load_module.TORCH_GLOBALS.values())
 
 
 def test_allowed_names_are_not_remapped_by_torch():
     """torch's unpickler maps Python 2 names (``_compat_pickle``); none of ours may be remapped,
     or torch would load a different global than the one tenplex checked."""
     import _compat_pickle
-    for module, name in safe_load_module.ALLOWED_GLOBALS:
+    for module, name in safe_load_module.TORCH_GLOBALS:
         assert module not in _compat_pickle.IMPORT_MAPPING
         assert (module, name) not in _compat_pickle.NAME_MAPPING
         assert "." not in name

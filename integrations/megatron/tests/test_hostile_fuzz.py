@@ -77,7 +77,7 @@ def test_pickle_mutations_raise_only_tenplex_errors(data, tmp_path):
     from tenplex_megatron.torchfiles.restricted_unpickler import Profile
     records = pt_records(_archive())
     pkl = data.draw(mutated(records["data.pkl"]))
-    profile = Profile("torch file", sl.ALLOWED_GLOBALS, builders=sl._BUILDERS, must_build=(sl._NpDtype, sl._NpArray),
+    profile = Profile("torch file", sl.TORCH_GLOBALS, builders=sl._BUILDERS, must_build=(sl._NpDtype, sl._NpArray),
                       opcodes=sl._OPCODES, persistent_load=lambda pid: None, dict_types=(dict, OrderedDict))
     try:
         unpickle(pkl, profile, "fuzz/data.pkl")

@@ -3,7 +3,7 @@
 DCP's ``.metadata`` file is a pickle (protocol 4), and DCP's own reader
 loads it with ``pickle.load``, which runs whatever the file names. tenplex
 interprets it with :mod:`tenplex_megatron.torchfiles.restricted_unpickler` under
-:data:`ALLOWED_GLOBALS`: the exact ``(module, name)`` pairs of the records
+:data:`DCP_GLOBALS`: the exact ``(module, name)`` pairs of the records
 that torch 2.13's ``FileSystemWriter`` and megatron-core 0.16.1 write
 (found by unpickling real ``.metadata`` files), each created empty by
 ``NEWOBJ`` and given its fields once by ``BUILD``, plus ``torch.Size``,
@@ -43,7 +43,7 @@ from tenplex_megatron.dcp.records import (TORCH_NAMES, BytesStorageMetadata, Chu
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.torchfiles.safe_load import MAX_NDIM, TORCH_DTYPES, open_regular, safe_load
 
-__all__ = ["read_objects", "read_metadata", "read_checked", "ALLOWED_GLOBALS"]
+__all__ = ["read_objects", "read_metadata", "read_checked", "DCP_GLOBALS"]
 
 _EXTRA = {Metadata: {"all_local_plans", "mcore_data"}}  # set on Metadata by megatron-core; dropped
 _MEMORY_FORMATS = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
@@ -129,7 +129,7 @@ _RECORD_WHY = {
     SavePlan: "megatron-core's all_local_plans (dropped)", WriteItem: "inside all_local_plans",
     TensorWriteData: "inside all_local_plans"}
 
-ALLOWED_GLOBALS = {(r.module, r.name): r for r in (
+DCP_GLOBALS = {(r.module, r.name): r for r in (
     *(Rule(*TORCH_NAMES[cls], new=_new_record(cls), reason=_RECORD_WHY[cls]) for cls in _RECORDS),
     Rule(*TORCH_NAMES[TensorProperties], new=_new_record(TensorProperties),
          reason="a tensor's dtype and layout (state is a 5-tuple)"),
@@ -143,7 +143,7 @@ ALLOWED_GLOBALS = {(r.module, r.name): r for r in (
 """Every global a DCP ``.metadata`` file may name: ``{(module, name): Rule}``."""
 
 _PROFILE = Profile(
-    "DCP metadata", ALLOWED_GLOBALS,
+    "DCP metadata", DCP_GLOBALS,
     builders={**{cls: _build_record for cls in _RECORDS}, TensorProperties: _build_properties},
     must_build=(*(cls for cls in _RECORDS if dataclasses.fields(cls)), TensorProperties),
     opcodes=frozenset({

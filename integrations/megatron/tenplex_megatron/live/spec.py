@@ -39,7 +39,7 @@ from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import optimizer_path, param_specs
 from tenplex_megatron.live.params import stage_params
 
-__all__ = ["LiveSpec", "megatron_dp_ranges", "VALUES", "MOMENTS"]
+__all__ = ["LiveSpec", "megatron_dp_ranges", "LIVE_VALUES", "MOMENTS"]
 
 ALIGN = 64
 """``_pad_start_of_param_if_needed``: each parameter starts on a multiple of 64 elements."""
@@ -47,7 +47,7 @@ BUCKET_PAD = 128
 """``_pad_end_of_bucket_if_needed``: buckets end on a multiple of ``lcm(dp, 128)``."""
 HIGH_BUSBW_PAD = lcm(128, 2 ** 16)
 MOMENTS = ("exp_avg", "exp_avg_sq")
-VALUES = {
+LIVE_VALUES = {
     "optimizer/step": ValueLeaf(),
     "optimizer/scheduler": ValueLeaf(),
     "data/consumed_samples": ValueLeaf(),
@@ -163,7 +163,7 @@ class LiveSpec:
                     name = buffers[-1].name if s.path == shared else main
                     layout = replace(layout, dp_shard=DPShard(name, s.path))
                 leaves[optimizer_path(state, s.path)] = TensorLeaf(s.leaf.shape, "float32", layout)
-        leaves.update(VALUES)
+        leaves.update(LIVE_VALUES)
         return PTree(leaves, self.model.num_layers, tuple(buffers) if self.distributed_optimizer else ())
 
 

@@ -81,7 +81,7 @@ def export_state(model_chunks, optimizer, scheduler, *, spec: LiveSpec, consumed
     Returns:
         Model tensors (``params_dtype``, tp-local shapes), optimizer tensors
         (fp32; 1-D dp-shard ranges with the distributed optimizer) and the
-        value leaves of :data:`~tenplex_megatron.live.spec.VALUES`; clones,
+        value leaves of :data:`~tenplex_megatron.live.spec.LIVE_VALUES`; clones,
         safe to keep while the model trains on.
 
     Raises:

@@ -32,14 +32,14 @@ from tenplex.ptree.tree import PTree, Scope, TensorLeaf, ValueLeaf
 from tenplex_megatron.model.derived import derived
 from tenplex_megatron.model.config import MegatronConfig
 
-__all__ = ["check_attention_tp", "check_names", "NAMES", "TE_KEYS_MAP", "ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "VALUES",
+__all__ = ["check_attention_tp", "check_names", "NAMES", "TE_KEYS_MAP", "ParamSpec", "param_specs", "megatron_tree", "OPTIMIZER_STATES", "CHECKPOINT_VALUES",
            "EXTRA_STATE_LINEARS", "optimizer_path", "rank_keys", "param_order", "spec_of",
            "extra_state_keys", "chunk_keys"]
 
 OPTIMIZER_STATES = ("param", "exp_avg", "exp_avg_sq")
 """Adam state per parameter: fp32 main param, first and second moments."""
 
-VALUES = {
+CHECKPOINT_VALUES = {
     "megatron/iteration": ValueLeaf(),
     "megatron/checkpoint_version": ValueLeaf(),
     "megatron/args": ValueLeaf(),
@@ -325,7 +325,7 @@ def megatron_tree(cfg: MegatronConfig, optimizer: bool = False) -> PTree:
         for state in OPTIMIZER_STATES:
             for s in (s for s in specs if s.param):
                 leaves[optimizer_path(state, s.path)] = TensorLeaf(s.leaf.shape, "float32", s.leaf.layout)
-    leaves.update(VALUES)
+    leaves.update(CHECKPOINT_VALUES)
     return PTree(leaves, cfg.num_layers)
 
 

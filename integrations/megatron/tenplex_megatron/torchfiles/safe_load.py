@@ -7,7 +7,7 @@ tensor storage. Every file goes through two gates:
 1. **Validation.** The archive is opened with torch's own zip reader, every
    record tenplex reads is at most the file's size, and ``data.pkl`` is
    interpreted by :mod:`tenplex_megatron.torchfiles.restricted_unpickler` under the
-   allow-list :data:`ALLOWED_GLOBALS`: exact ``(module, name)`` pairs, each
+   allow-list :data:`TORCH_GLOBALS`: exact ``(module, name)`` pairs, each
    with the one call shape it is allowed (argument types and values
    checked). Each storage a tensor names must be a record of exactly
    ``numel * itemsize`` bytes, and each tensor must lie inside its storage.
@@ -41,7 +41,7 @@ from tenplex.store.paths import open_regular, regular_size as regular_file_size 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
 from tenplex_megatron.torchfiles.ziprecords import check_stored
 
-__all__ = ["safe_load", "load_tensor", "tensor_header", "load_meta", "FileView", "ALLOWED_GLOBALS",
+__all__ = ["safe_load", "load_tensor", "tensor_header", "load_meta", "FileView", "TORCH_GLOBALS",
            "TORCH_SAFE_GLOBALS", "MAX_NDIM", "TORCH_DTYPES", "regular_file_size", "open_regular"]
 
 MAX_NDIM = 32
@@ -229,7 +229,7 @@ _TENSOR_RULES = _rules(
       for name, dtype in TORCH_DTYPES.items()),
 )
 
-ALLOWED_GLOBALS = {
+TORCH_GLOBALS = {
     **_TENSOR_RULES,
     **_rules(
         Rule("argparse", "Namespace", new=_namespace,
@@ -270,7 +270,7 @@ def _np_globals() -> list:
 
 TORCH_SAFE_GLOBALS = _np_globals()
 """What :func:`safe_load` adds to torch's weights-only allow-list while it loads: the
-non-torch globals of :data:`ALLOWED_GLOBALS` (and NumPy's dtype classes, which
+non-torch globals of :data:`TORCH_GLOBALS` (and NumPy's dtype classes, which
 torch's ``BUILD`` checks by type)."""
 
 _globals_lock = threading.Lock()
@@ -411,7 +411,7 @@ def _torch_load(source, what: str, mmap: bool, device: str = "cpu") -> Any:
 
 
 def safe_load(path, what: str | None = None, *, mmap: bool = False) -> Any:
-    """Load a Megatron ``.pt`` file with nothing but :data:`ALLOWED_GLOBALS`.
+    """Load a Megatron ``.pt`` file with nothing but :data:`TORCH_GLOBALS`.
 
     Args:
         path: a file path, or a seekable binary file object (an in-memory
@@ -436,11 +436,11 @@ def safe_load(path, what: str | None = None, *, mmap: bool = False) -> Any:
     if isinstance(path, (str, os.PathLike)):
         f, size = open_regular(os.fspath(path), what)
         with f:
-            _validate(f, size, what, ALLOWED_GLOBALS)
+            _validate(f, size, what, TORCH_GLOBALS)
             return _torch_load(os.fspath(path) if mmap else f, what, mmap)
     if mmap:
         raise ValueError(f"{what}: mmap=True needs a file path, not a file object")
-    _validate(path, _stream_size(path), what, ALLOWED_GLOBALS)
+    _validate(path, _stream_size(path), what, TORCH_GLOBALS)
     return _torch_load(path, what, False)
 
 
@@ -458,7 +458,7 @@ def load_meta(f, what: str) -> tuple[Any, Any]:
     Raises:
         UnsafePickleError, CorruptShardError: as :func:`safe_load`.
     """
-    shadow = _validate(f, _stream_size(f), what, ALLOWED_GLOBALS)
+    shadow = _validate(f, _stream_size(f), what, TORCH_GLOBALS)
     return _torch_load(f, what, False, "meta"), shadow
 
 
