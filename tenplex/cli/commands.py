@@ -19,8 +19,7 @@ from tenplex import api
 from tenplex.api import ReshardReport
 from tenplex.cli.render import matrix, size, table
 from tenplex.errors import ConfigError
-from tenplex.formats import Description, detect
-from tenplex.ptree.config import ParallelConfig
+from tenplex.formats import Description, detect, get_format
 from tenplex.ptree.sharding import Sharding
 from tenplex.transform.placement import Placement
 from tenplex.transform.planner import make_plan
@@ -75,10 +74,11 @@ def _report(args, r: ReshardReport) -> None:
 
 
 def reshard(args) -> int:
-    if args.to is None:
-        if args.format != "hf":
-            raise ConfigError("--to is required (the target config), except with --format hf")
-        args.to = ParallelConfig()  # an HF model directory has one layout: tp = pp = ep = 1
+    if args.to is None:  # a format with one layout (hf: tp = pp = ep = 1) needs no --to
+        args.to = getattr(get_format(args.format), "fixed_config", None) if args.format else None
+        if args.to is None:
+            raise ConfigError("--to is required (the target config), except for a format with one "
+                              "layout (such as hf)")
     from tenplex.distributed_reshard import under_torchrun
     if under_torchrun():  # one process of a torchrun (or Slurm) job: split the files, one commit
         from tenplex.cli.torchrun import reshard_torchrun

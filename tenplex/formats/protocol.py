@@ -22,6 +22,9 @@ A format is an object with a ``name`` and five calls, made in this order
 A format may also offer ``reshard(src, dst, to, **options) -> WriteResult |
 None``: a direct reshard within the format (for files that hold model-space
 tensors); None when it cannot, and the caller then goes through the planner.
+A format whose checkpoints have one layout only (a Hugging Face model
+directory: tp = pp = ep = 1) says so with ``fixed_config``, a
+:class:`~tenplex.ptree.config.ParallelConfig`; the CLI then needs no ``--to``.
 
 ``options`` are keyword arguments every call accepts and ignores where they
 do not apply: ``model_config`` (a JSON file's path with the model's fields),

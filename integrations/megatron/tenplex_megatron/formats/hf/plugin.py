@@ -21,6 +21,8 @@ class _HF:
     """Hugging Face model directories: ``config.json`` with ``model*.safetensors`` (and an index)."""
 
     name = "hf"
+    fixed_config = ParallelConfig()
+    """An HF model directory holds whole tensors: tp = pp = ep = 1."""
 
     @staticmethod
     def detect(path: str) -> bool:
