@@ -143,3 +143,18 @@ def test_a_header_that_lies_is_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../x"}}))
     with pytest.raises(ManifestError, match="plain file names"):
         tensors(str(tmp_path))
+
+
+def test_a_link_out_of_an_hf_directory_is_refused(tmp_path):
+    """The HF reader opens every file under the one path rule: a config.json that links out of the
+    model directory is refused before it is read."""
+    from tenplex.errors import TenplexError
+    from tenplex_megatron.formats.hf.hfdir import read_config
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"model_type": "llama"}')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").symlink_to(secret)
+    with pytest.raises(TenplexError, match="config.json"):
+        read_config(str(model))

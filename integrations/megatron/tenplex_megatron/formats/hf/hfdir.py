@@ -9,7 +9,6 @@ file that lies about sizes or offsets is refused before any read.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -17,6 +16,9 @@ from math import prod
 from typing import Callable
 
 from tenplex.errors import CorruptShardError, ManifestError
+from tenplex.limits import MAX_JSON_BYTES
+from tenplex.store.bounded_json import load_json
+from tenplex.store.paths import open_regular
 
 __all__ = ["StoredTensor", "is_hf_dir", "read_config", "tensors", "verify_hf", "INDEX", "SINGLE"]
 
@@ -50,6 +52,22 @@ def is_hf_dir(path: str) -> bool:
             and (os.path.isfile(os.path.join(path, INDEX)) or os.path.isfile(os.path.join(path, SINGLE))))
 
 
+def _open(file: str):
+    """``(binary file, size)`` of a file of the model directory, under the one path rule
+    (:func:`tenplex.store.paths.open_regular`: a regular file that resolves inside the directory)."""
+    return open_regular(file, file, root=os.path.dirname(file))
+
+
+def _json(file: str):
+    """A JSON file of the model directory, opened under the path rule and parsed within the limits
+    of :mod:`tenplex.store.bounded_json` (size checked before anything is read)."""
+    f, size = _open(file)
+    with f:
+        if size > MAX_JSON_BYTES:
+            raise ManifestError(f"{file}: {size} bytes; a JSON file here may have at most {MAX_JSON_BYTES}")
+        return load_json(f.read(size), file)
+
+
 def read_config(path: str) -> dict:
     """``config.json`` as a dict.
 
@@ -57,11 +75,7 @@ def read_config(path: str) -> dict:
         ManifestError: missing or not a JSON object.
     """
     where = os.path.join(path, "config.json")
-    try:
-        with open(where) as f:
-            out = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"{where}: not a readable JSON file ({exc})") from None
+    out = _json(where)
     if not isinstance(out, dict):
         raise ManifestError(f"{where}: expected a JSON object, found {type(out).__name__}")
     return out
@@ -71,11 +85,8 @@ def _files(path: str) -> list[str]:
     index = os.path.join(path, INDEX)
     if not os.path.isfile(index):
         return [SINGLE]
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ManifestError(f"{index}: no readable weight_map ({exc!r})") from None
+    obj = _json(index)
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else None
     if not names or any(not isinstance(n, str) or os.path.basename(n) != n or n.startswith(".") for n in names):
         raise ManifestError(f"{index}: weight_map must map names to plain file names in the directory")
@@ -89,18 +100,15 @@ def _header(file: str) -> list[StoredTensor]:
         CorruptShardError: a truncated file, a header that is not JSON, or a
             tensor whose offsets do not fit its dtype and shape or the file.
     """
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
+    f, size = _open(file)
+    with f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CorruptShardError(f"{file}: {size} bytes; a safetensors file starts with an 8-byte length")
         (n,) = struct.unpack("<Q", raw)
         if n > min(_MAX_HEADER, size - 8):
             raise CorruptShardError(f"{file}: header of {n} bytes in a file of {size}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise CorruptShardError(f"{file}: header is not JSON ({exc})") from None
+        header = load_json(f.read(n), f"{file}: header", error=CorruptShardError)
     if not isinstance(header, dict):
         raise CorruptShardError(f"{file}: header is a {type(header).__name__}; expected an object")
     out = []
@@ -163,8 +171,7 @@ def verify_hf(path: str, checksums: bool = False, progress: Callable[[int, int],
     files = sorted({t.file for t in found.values()})
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = _json(index)["weight_map"]  # checked by tensors() above
         wrong = sorted(n for n, t in found.items() if weight_map.get(n) != os.path.basename(t.file))
         extra = sorted(set(weight_map) - set(found))
         if wrong or extra:
@@ -177,7 +184,8 @@ def verify_hf(path: str, checksums: bool = False, progress: Callable[[int, int],
         digests, done = {}, 0
         for f in files:
             h = xxhash.xxh3_128()
-            with open(f, "rb") as fh:
+            fh, _ = _open(f)
+            with fh:
                 for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
                     h.update(block)
                     done += len(block)

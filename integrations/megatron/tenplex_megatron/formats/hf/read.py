@@ -19,6 +19,7 @@ import torch
 from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import torch_dtype
+from tenplex.store.paths import open_regular
 
 from tenplex_megatron.formats.description import Description
 from tenplex_megatron.formats.hf import transforms as tf
@@ -153,7 +154,8 @@ def _read(t: StoredTensor) -> torch.Tensor:
     """One stored tensor, read by its byte range."""
     out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     view = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
-    with open(t.file, "rb") as f:
+    f, _ = open_regular(t.file, t.file, root=os.path.dirname(t.file))  # the one path rule
+    with f:
         f.seek(t.start)
         got = f.readinto(memoryview(view)) if view is not None else 0
     if got != t.end - t.start:
