@@ -4,12 +4,11 @@ format, and transformers' logits on the worker's tokens."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 
 from inprocess_cli import run_cli
+from mcore_helpers import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "hf_worker.py")
 BASE = ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --ffn 96 --swiglu --position rope "
@@ -38,13 +37,7 @@ def run_worker(n: int, flags: str, *extra: str, timeout: int = 400) -> str:
     Raises:
         AssertionError: the worker failed (its output's tail in the message).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", WORKER,
-           *flags.split(), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if done.returncode != 0:
-        raise AssertionError(f"worker failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return done.stdout
+    return torchrun(WORKER, n, [*flags.split(), *extra], timeout)
 
 
 def source_cache(root):

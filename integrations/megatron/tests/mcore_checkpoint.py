@@ -1,8 +1,16 @@
 """The worker's checkpoint formats: Megatron-LM's legacy per-rank files and dist_checkpointing.
 
-Mixed into :class:`mcore_worker.Worker`, which supplies ``a`` (the parsed
-arguments), ``torch``, ``dist``, ``ps`` (megatron's parallel_state), the
-model, optimizer and scheduler, and the tp/pp/dp ranks.
+Mixed into :class:`mcore_worker.Worker`, which supplies ``a`` (the parsed flags), ``torch``,
+``dist``, ``ps`` (megatron's parallel_state), ``models`` (one per virtual chunk; ``model`` is the
+first), the optimizer and scheduler, ``dtype`` and the tp/pp/dp/cp/ep ranks.
+
+Legacy rules follow Megatron-LM core_v0.16.1 megatron/training/checkpointing.py:
+  * path: get_checkpoint_name -> iter_XXXXXXX/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+    (_PPP when pp world > 1, _EEE when ep world > 1; tp is the DENSE tp rank);
+  * writer: save_checkpoint writes model_optim_rng.pt on ranks with
+    mpu.get_expert_data_parallel_rank() == 0;
+  * generate_state_dict: key 'model' for one chunk, 'model0', 'model1', ... for vpp;
+  * distrib_optim.pt next to it: optimizer.save_parameter_state (all ranks call it).
 """
 
 from __future__ import annotations
@@ -60,144 +68,124 @@ def log0(*msg) -> None:
 
 
 class CheckpointMixin:
-    # ------------------------------------------------------------------ legacy format
+    # ------------------------------------------------------------------ args
     def megatron_args(self) -> argparse.Namespace:
-        """The subset of Megatron-LM's parsed args that matter for a checkpoint reader."""
+        """The subset of Megatron-LM's parsed args that matter for a checkpoint reader (Megatron-LM's
+        names; every setting of the model, the HF export's included)."""
         a = self.a
         return argparse.Namespace(
-            num_layers=a.layers,
-            hidden_size=a.hidden,
-            ffn_hidden_size=a.ffn,
-            num_attention_heads=a.heads,
-            group_query_attention=a.query_groups != a.heads,
-            num_query_groups=a.query_groups,
-            kv_channels=a.hidden // a.heads,
-            max_position_embeddings=a.max_pos,
-            seq_length=a.seq,
-            position_embedding_type=a.position,
-            use_rotary_position_embeddings=a.position == "rope",
-            add_position_embedding=a.position == "learned_absolute",
-            rotary_percent=1.0,
-            rotary_base=10000,
-            swiglu=a.swiglu,
-            untie_embeddings_and_output_weights=a.untie,
-            normalization=a.norm,
-            add_bias_linear=a.bias == "on",
-            add_qkv_bias=a.add_qkv_bias,
-            vocab_size=a.vocab,
-            padded_vocab_size=self.padded_vocab,
-            make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-            tokenizer_type="NullTokenizer",
-            vocab_file=None,
-            tensor_model_parallel_size=a.tp,
-            pipeline_model_parallel_size=a.pp,
-            virtual_pipeline_model_parallel_size=None,
-            expert_model_parallel_size=1,
-            num_experts=None,
-            data_parallel_size=self.dp,
-            world_size=self.world,
-            micro_batch_size=a.batch // self.dp,
-            global_batch_size=a.batch,
-            consumed_train_samples=a.batch * max(a.train_steps, 0),
-            consumed_valid_samples=0,
-            train_iters=max(a.train_steps, 0),
-            seed=a.seed,
-            lr=a.lr,
-            min_lr=a.lr / 10,
-            optimizer="adam",
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            adam_eps=1e-8,
-            weight_decay=0.0,
-            clip_grad=1.0,
-            use_distributed_optimizer=a.dist_opt,
-            fp16=False,
-            bf16=a.bf16,
-            params_dtype=self.dtype,
-            accumulate_allreduce_grads_in_fp32=True,
-            qk_layernorm=a.qk_layernorm,
-            transformer_impl="local",
-            ckpt_format="torch",
-            use_dist_ckpt=False,
-            no_save_optim=not a.optimizer,
-            no_save_rng=False,
-            data_parallel_random_init=False,
-            iteration=a.iteration,
-        )
+            num_layers=a.layers, hidden_size=a.hidden, ffn_hidden_size=a.ffn, num_attention_heads=a.heads,
+            group_query_attention=a.query_groups != a.heads, num_query_groups=a.query_groups,
+            kv_channels=a.hidden // a.heads, max_position_embeddings=a.max_pos, seq_length=a.seq,
+            position_embedding_type=a.position, use_rotary_position_embeddings=a.position == "rope",
+            add_position_embedding=a.position == "learned_absolute", rotary_percent=1.0,
+            rotary_base=a.rotary_base, rotary_interleaved=a.rotary_interleaved,
+            use_rope_scaling=a.rope_scaling is not None, rope_scaling_factor=a.rope_scaling or 8.0,
+            rotary_seq_len_interpolation_factor=None, swiglu=a.swiglu,
+            untie_embeddings_and_output_weights=a.untie, normalization=a.norm, norm_epsilon=a.eps,
+            apply_layernorm_1p=False, add_bias_linear=a.bias == "on", add_qkv_bias=a.add_qkv_bias,
+            qk_layernorm=a.qk_layernorm, multi_latent_attention=False, mtp_num_layers=None,
+            vocab_size=a.vocab, padded_vocab_size=self.padded_vocab,
+            make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, tokenizer_type="NullTokenizer",
+            vocab_file=None, tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+            virtual_pipeline_model_parallel_size=a.vpp, context_parallel_size=a.cp,
+            expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp,
+            num_experts=a.experts, moe_router_topk=a.topk, moe_ffn_hidden_size=a.moe_ffn or a.ffn,
+            moe_shared_expert_intermediate_size=a.shared_ffn, moe_layer_freq=a.moe_layer_freq,
+            moe_grouped_gemm=a.grouped_gemm, moe_router_enable_expert_bias=a.expert_bias,
+            moe_router_pre_softmax=a.pre_softmax,
+            moe_router_score_function="sigmoid" if a.expert_bias else "softmax",
+            moe_router_topk_scaling_factor=None,
+            data_parallel_size=self.dp, world_size=self.world, micro_batch_size=a.batch // self.dp,
+            global_batch_size=a.batch, consumed_train_samples=a.batch * max(a.train_steps, 0),
+            consumed_valid_samples=0, train_iters=max(a.train_steps, 0), seed=a.seed, lr=a.lr,
+            min_lr=a.lr / 10, optimizer="adam", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+            weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=a.dist_opt, fp16=False, bf16=a.bf16,
+            params_dtype=self.dtype, accumulate_allreduce_grads_in_fp32=True, transformer_impl="local",
+            ckpt_format="torch", use_dist_ckpt=False, no_save_optim=not a.optimizer, no_save_rng=False,
+            data_parallel_random_init=False, iteration=a.iteration)
 
-    def legacy_path(self, root: str) -> str:
+    # ------------------------------------------------------------------ legacy format
+    def legacy_dir(self, root: str) -> str:
         sub = f"mp_rank_{self.tp_rank:02d}"
         if self.a.pp > 1:
             sub += f"_{self.pp_rank:03d}"
-        return os.path.join(root, f"iter_{self.a.iteration:07d}", sub, "model_optim_rng.pt")
+        if self.a.ep > 1:
+            sub += f"_{self.ep_rank:03d}"
+        return os.path.join(root, f"iter_{self.a.iteration:07d}", sub)
+
+    def legacy_writes(self) -> bool:
+        if self.a.legacy_writer == "dp0":
+            return self.dp_rank == 0 and self.cp_rank == 0
+        return self.edp_rank == 0
+
+    def model_keys(self):
+        return ["model"] if len(self.models) == 1 else [f"model{i}" for i in range(len(self.models))]
 
     def rng_state(self):
         import numpy as np
         from megatron.core import tensor_parallel
 
         torch = self.torch
-        return [
-            {
-                "random_rng_state": random.getstate(),
-                "np_rng_state": np.random.get_state(),
-                "torch_rng_state": torch.get_rng_state(),
-                # On CUDA this is torch.cuda.get_rng_state(); CPU stand-in here.
-                "cuda_rng_state": torch.get_rng_state(),
-                "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-            }
-        ]
+        return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                 "torch_rng_state": torch.get_rng_state(),
+                 "cuda_rng_state": torch.get_rng_state(),  # torch.cuda.get_rng_state() on CUDA
+                 "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
 
     def save_legacy(self, root: str):
+        from te_names import te_prefixes, to_te_names
+
         torch = self.torch
         t = time.time()
-        state = {
-            "args": self.megatron_args(),
-            "checkpoint_version": 3.0,
-            "iteration": self.a.iteration,
-            "model": self.model.state_dict_for_save_checkpoint(),
-        }
+        state = {"args": self.megatron_args(), "checkpoint_version": 3.0, "iteration": self.a.iteration}
+        for k, m in zip(self.model_keys(), self.models):
+            state[k] = m.state_dict_for_save_checkpoint()
+            if self.a.names == "te":
+                state[k] = to_te_names(state[k], te_prefixes(m))
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
             state["opt_param_scheduler"] = self.scheduler.state_dict()
         state["rng_state"] = self.rng_state()
         state["num_floating_point_operations_so_far"] = 0
-        path = self.legacy_path(root)
+        d = self.legacy_dir(root)
         if self.optimizer is not None and self.a.dist_opt:
-            # Megatron-LM: optimizer.save_parameter_state(<dir>/distrib_optim.pt), all dp ranks
-            # take part (gather to dp rank 0).
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.optimizer.save_parameter_state(os.path.join(os.path.dirname(path), "distrib_optim.pt"))
-        if self.dp_rank == 0:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(state, path)
+            # Megatron-LM: optimizer.save_parameter_state(<dir>/distrib_optim.pt); all dp ranks
+            # take part (gather to dp rank 0)
+            os.makedirs(d, exist_ok=True)
+            self.optimizer.save_parameter_state(os.path.join(d, "distrib_optim.pt"))
+        if self.legacy_writes():
+            os.makedirs(d, exist_ok=True)
+            torch.save(state, os.path.join(d, "model_optim_rng.pt"))
+            print(f"LEGACY_WRITE rank={self.dist.get_rank()} {os.path.relpath(d, root)}", flush=True)
         self.dist.barrier()
         if self.dist.get_rank() == 0:
-            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write(str(self.a.iteration))
+            write_tracker(root, self.a.iteration)
         self.dist.barrier()
         log0(f"TIME save_legacy {time.time() - t:.2f}")
 
     def load_legacy(self, root: str):
+        from te_names import from_te_names, te_prefixes
+
         torch = self.torch
         t = time.time()
-        with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
-            it = int(f.read().strip())
-        self.a.iteration = it
-        path = self.legacy_path(root)
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"], strict=True)
+        with open(os.path.join(root, TRACKER)) as f:
+            self.a.iteration = int(f.read().strip())
+        d = self.legacy_dir(root)
+        state = torch.load(os.path.join(d, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
+        for k, m in zip(self.model_keys(), self.models):
+            sd = from_te_names(state[k], te_prefixes(m)) if self.a.names == "te" else state[k]
+            m.load_state_dict(sd, strict=self.a.strict == "on")
         if self.a.load_rng:
             self.restore_rng(state["rng_state"])
         if self.optimizer is not None and not self.a.no_load_optim and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.a.dist_opt:
-                self.optimizer.load_parameter_state(
-                    os.path.join(os.path.dirname(path), "distrib_optim.pt")
-                )
+                self.optimizer.load_parameter_state(os.path.join(d, "distrib_optim.pt"))
             self._untie_steps()
             if "opt_param_scheduler" in state:
                 self.scheduler.load_state_dict(state["opt_param_scheduler"])
         self.dist.barrier()
+        log0(f"LOADED legacy {root}")
         log0(f"TIME load_legacy {time.time() - t:.2f}")
 
     def restore_rng(self, states: list) -> None:
@@ -229,38 +217,41 @@ class CheckpointMixin:
     # ------------------------------------------------------------------ dist format
     def sharded_sd_metadata(self):
         md = {"dp_cp_group": self.ps.get_data_parallel_group(with_context_parallel=True),
-              "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+              "singleton_local_shards": bool(int(os.environ.get("R13_SINGLETON", "0"))),
+              "chained_optim_avoid_prefix": True}
         if self.a.dist_opt:
             md["distrib_optim_sharding_type"] = self.a.sharding_type
         return md
 
+    def model_sharded(self, md):
+        return {k: m.sharded_state_dict(metadata=md) for k, m in zip(self.model_keys(), self.models)}
+
     def save_dist(self, root: str):
+        """Megatron-LM's ``generate_state_dict`` for torch_dist: the chunks under ``model``/``model<i>``,
+        the optimizer and scheduler, ``iteration``, and (``--dist-args on``) ``args`` in common.pt."""
         from megatron.core import dist_checkpointing
 
         t = time.time()
         md = self.sharded_sd_metadata()
         save_root = root
-        if getattr(self.a, "dist_layout", "bare") == "megatron":  # Megatron-LM's --save layout
+        if self.a.dist_layout == "megatron":  # Megatron-LM's --save layout
             root = os.path.join(root, f"iter_{self.a.iteration:07d}")
         if self.dist.get_rank() == 0:
             os.makedirs(root, exist_ok=True)
         self.dist.barrier()
-        sd = self.model.sharded_state_dict(metadata=md)
+        sd = self.model_sharded(md)
         if self.optimizer is not None:
-            model_sd = sd
-            sd = {"model": model_sd,
-                  "optimizer": self.optimizer.sharded_state_dict(model_sd, metadata=md),
-                  "opt_param_scheduler": self.scheduler.state_dict(),
-                  "iteration": self.a.iteration}
+            sd["optimizer"] = self.optimizer.sharded_state_dict(sd, metadata=md)
+            sd["opt_param_scheduler"] = self.scheduler.state_dict()
+        sd["iteration"] = self.a.iteration
         if self.a.save_rng:
             sd["rng_state"] = self.rng_object()
             if self.dp_rank == 0:
                 print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp=0 {rng_digest(self.rng_state()[0])}\n",
                       end="", flush=True)
-        if self.a.dist_args == "on":  # Megatron-LM's generate_state_dict puts these in common.pt
+        if self.a.dist_args == "on":
             sd["args"] = self.megatron_args()
             sd["checkpoint_version"] = 3.0
-            sd.setdefault("iteration", self.a.iteration)
         dist_checkpointing.save(sd, root, content_metadata=_clean_md(md))
         self.dist.barrier()
         if save_root != root and self.dist.get_rank() == 0:
@@ -268,6 +259,70 @@ class CheckpointMixin:
         self.dist.barrier()
         log0(f"TIME save_dist {time.time() - t:.2f}")
 
+    def _adapt_chained(self, opt_sd):
+        """Fit a loaded common.pt optimizer entry to this run's chained optimizers
+        (``R13_ADAPT_CHAINED=1``; NOTES.md fact 6.7).
+
+        At ep == 1 expert params sit in the dense optimizer (one DistributedOptimizer,
+        common.pt 'optimizer' = {'optimizer': {'param_groups'}, 'param_state_sharding_type'});
+        at ep > 1 there are two ({0: dense, 1: expert}); DistributedOptimizer.load_state_dict
+        matches groups by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr).
+        dist_checkpointing.load returns the SAVED common structure merged with this run's
+        sharded template, so an ep change fails (KeyError 'optimizer' for ep>1 -> ep=1).
+        """
+        n = len(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        if n == 1 and 0 in opt_sd and 1 in opt_sd:  # saved at ep>1, loading at ep=1
+            out = {k: v for k, v in opt_sd.items() if k not in (0, 1)}
+            out.update(opt_sd[0])
+            print("ADAPT chained {0: dense, 1: expert} -> single (dense param_groups)", flush=True)
+            return out
+        if n == 2 and "optimizer" in opt_sd and isinstance(opt_sd.get(0), dict):  # ep=1 -> ep>1
+            common = {k: opt_sd[k] for k in ("optimizer", "param_state_sharding_type") if k in opt_sd}
+            out = {0: {**opt_sd[0], **common}, 1: dict(opt_sd[1])}
+            groups = [dict(g, is_expert_parallel=True) for g in common["optimizer"]["param_groups"]]
+            out[1].update({**common, "optimizer": {**common["optimizer"], "param_groups": groups}})
+            print("ADAPT single -> chained {0: dense, 1: expert (groups with is_expert_parallel=True)}", flush=True)
+            return out
+        return opt_sd
+
+    def load_dist(self, root: str):
+        """Load a torch_dist folder (bare, or a ``--save`` folder with its tracker) at this run's
+        parallelism: the chunks, and the optimizer where one exists (unless ``--no-load-optim``)."""
+        from megatron.core import dist_checkpointing
+
+        root = megatron_load_dir(root)
+        t = time.time()
+        md = self.sharded_sd_metadata()
+        with_optim = self.optimizer is not None and not self.a.no_load_optim
+        if with_optim:
+            saved = dist_checkpointing.load_content_metadata(root) or {}
+            if "distrib_optim_sharding_type" in saved:
+                md["distrib_optim_sharding_type"] = saved["distrib_optim_sharding_type"]
+        sd = self.model_sharded(md)
+        if with_optim:
+            self._fill_adam_state()
+            sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=True, metadata=md)
+        if self.a.load_rng:
+            sd["rng_state"] = self.rng_object()
+        strict = os.environ.get("R13_LOAD_STRICT")  # e.g. "assume_ok_unexpected" / "raise_all"
+        loaded = dist_checkpointing.load(sd, root, strict=strict) if strict else dist_checkpointing.load(sd, root)
+        if self.a.load_rng:
+            self.restore_rng(loaded.pop("rng_state"))
+        for k, m in zip(self.model_keys(), self.models):
+            m.load_state_dict(loaded[k], strict=self.a.strict == "on")
+        if with_optim:
+            opt_sd = loaded["optimizer"]
+            if os.environ.get("R13_ADAPT_CHAINED") == "1":
+                opt_sd = self._adapt_chained(opt_sd)
+            self.optimizer.load_state_dict(opt_sd)
+            self._untie_steps()
+            if "opt_param_scheduler" in loaded:
+                self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        self.dist.barrier()
+        log0(f"LOADED dist {root}")
+        log0(f"TIME load_dist {time.time() - t:.2f}")
+
+    # ------------------------------------------------------------------ optimizer state
     def _fill_adam_state(self):
         """Give every Adam param zero moments and a step, so is_loading sharded_state_dict works.
 
@@ -327,52 +382,6 @@ class CheckpointMixin:
                     desc = {k: (round(float(v.double().sum()), 6) if v.numel() > 1 else float(v))
                             for k, v in st.items()}
                     log0(f"OPT {tag} g{gi} p{pi} numel={p.numel()} param={float(p.double().sum()):.6f} {desc}")
-
-    def load_dist(self, root: str):
-        from megatron.core import dist_checkpointing
-
-        root = megatron_load_dir(root)
-        t = time.time()
-        md = self.sharded_sd_metadata()
-        with_optim = self.optimizer is not None and not self.a.no_load_optim
-        if with_optim:
-            saved_md = dist_checkpointing.load_content_metadata(root) or {}
-            if "distrib_optim_sharding_type" in saved_md:
-                md["distrib_optim_sharding_type"] = saved_md["distrib_optim_sharding_type"]
-        sd = self.model.sharded_state_dict(metadata=md)
-        if with_optim:
-            self._fill_adam_state()
-            model_sd = sd
-            sd = {"model": model_sd,
-                  "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=md),
-                  "opt_param_scheduler": None, "iteration": None}
-            # Common (non-sharded) entries come back from common.pt.
-            del sd["opt_param_scheduler"], sd["iteration"]
-        if self.a.load_rng:
-            sd["rng_state"] = self.rng_object()
-        loaded = dist_checkpointing.load(sd, root)
-        # save(..., content_metadata=md) stores md in common.pt; load returns it as a key.
-        loaded.pop("content_metadata", None)
-        if self.a.load_rng:
-            self.restore_rng(loaded.pop("rng_state"))
-        if with_optim:
-            self.model.load_state_dict(loaded["model"], strict=True)
-            self.optimizer.load_state_dict(loaded["optimizer"])
-            self._untie_steps()
-            if "opt_param_scheduler" in loaded:
-                self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        else:
-            # Sharded tensors come back under the structure we passed in (flat model
-            # keys); common.pt entries of a checkpoint written with an optimizer
-            # (optimizer param_groups, opt_param_scheduler, iteration) come back as
-            # extra top-level keys: keep only the model's own keys.
-            model_keys = set(self.model.state_dict().keys())
-            for extra in ("args", "checkpoint_version", "iteration"):
-                loaded.pop(extra, None)
-            state = {k: v for k, v in loaded.items() if k in model_keys}
-            self.model.load_state_dict(state, strict=True)
-        self.dist.barrier()
-        log0(f"TIME load_dist {time.time() - t:.2f}")
 
 
 def _clean_md(md: dict) -> dict:

@@ -29,16 +29,24 @@ MODEL_JSON = {
 }
 
 
-def run_worker(tp: int, pp: int, flags: str, *extra: str, dp: int = 1, timeout: int = 300) -> str:
-    """Run the worker under torchrun with tp * pp * dp processes; return its output."""
-    n = tp * pp * dp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           str(WORKER), "--tp", str(tp), "--pp", str(pp), *flags.split(), *extra]
+def torchrun(worker, n: int, args, timeout: int = 300, python: str = sys.executable) -> str:
+    """Run ``worker`` (a worker entry point's path) under ``python``'s torchrun with ``n`` processes;
+    its output.
+
+    Raises:
+        AssertionError: the worker exited non-zero (its output's tail in the message).
+    """
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(worker), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise AssertionError(f"worker failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return done.stdout
+
+
+def run_worker(tp: int, pp: int, flags: str, *extra: str, dp: int = 1, timeout: int = 300) -> str:
+    """Run the worker under torchrun with tp * pp * dp processes; return its output."""
+    return torchrun(WORKER, tp * pp * dp, ["--tp", str(tp), "--pp", str(pp), *flags.split(), *extra], timeout)
 
 
 def tenplex(*args: str) -> subprocess.CompletedProcess:

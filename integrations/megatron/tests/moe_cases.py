@@ -9,10 +9,8 @@ logits (``ref.pt``) and 2 more steps (the static run's losses 3 and 4).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
-from mcore_helpers import logits, losses
+from mcore_helpers import logits, losses, torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "moe_worker.py")
 MODEL = ("--layers 4 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
@@ -26,13 +24,7 @@ def run_moe(n: int, flags: str, *extra: str, timeout: int = 300) -> str:
     Raises:
         AssertionError: the worker exited non-zero (its output's tail in the message).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", WORKER,
-           *flags.split(), *MODEL.split(), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if done.returncode != 0:
-        raise AssertionError(f"worker failed ({' '.join(cmd)}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return done.stdout
+    return torchrun(WORKER, n, [*flags.split(), *MODEL.split(), *extra], timeout)
 
 
 def source_cache(root):
@@ -44,7 +36,7 @@ def source_cache(root):
         if (n, flags) not in cache:
             d = root / "_".join(["w" + str(n)] + flags.replace("--", "").split()).replace("[", "").replace("]", "")
             out = run_moe(n, flags, "--train-steps", "2", "--save", "both", "--save-dir", str(d),
-                          "--logits-out", str(d / "ref.pt"), "--more-steps", "2")
+                          "--logits-out", str(d / "ref.pt"), "--train-after-save", "2")
             static = losses(out)
             assert len(static) == 4, out
             cache[(n, flags)] = (d, static)

@@ -21,7 +21,7 @@ import tempfile
 
 import pytest
 
-from mcore_helpers import logits
+from mcore_helpers import logits, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -55,12 +55,7 @@ def venv_python() -> str:
 
 
 def run(python: str, worker: str, n: int, flags: str, *extra: str) -> str:
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           os.path.join(HERE, worker), *flags.split(), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return done.stdout
+    return torchrun(os.path.join(HERE, worker), n, [*flags.split(), *extra], timeout=400, python=python)
 
 
 def tenplex(*args: str) -> None:

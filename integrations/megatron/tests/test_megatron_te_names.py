@@ -1,7 +1,7 @@
 """TransformerEngine names (issue 19, failure 2), in legacy and torch_dist, dense and MoE.
 
 TE does not run on CPU, so megatron-core 0.16.1 builds the local-spec model and its checkpoints get
-TE's names from megatron-core's own map (``moe_checkpoint.te_prefixes``: each layer's
+TE's names from megatron-core's own map (``te_names.te_prefixes``: each layer's
 ``sharded_state_dict_keys_map``), never from a table written by hand: legacy files hold
 ``self_attention.linear_qkv.layer_norm_weight`` / ``mlp.linear_fc1.layer_norm_weight`` and TE's empty
 extra states (``core_attention._extra_state`` too); with experts, TE's separate
@@ -15,12 +15,11 @@ On e4220c6: ``key decoder.layers.0.input_layernorm.weight ... is missing`` (lega
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from mcore_helpers import logits
+from mcore_helpers import logits, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -31,12 +30,7 @@ MOE = DENSE + " --experts 4 --topk 2"
 
 
 def run(n: int, flags: str, *extra: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", WORKER,
-           *flags.split(), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    return done.stdout
+    return torchrun(WORKER, n, [*flags.split(), *extra])
 
 
 def tenplex(*args: str) -> None:

@@ -1,6 +1,8 @@
 """Data, pipelined forward/backward over virtual chunks, training, logits and key dumps.
 
-Mixed into moe_worker.Worker.
+Mixed into mcore_worker.Worker, which supplies ``a`` (the parsed flags), ``torch``, ``dist``, ``ps``
+(megatron's parallel_state), ``models`` (one per virtual chunk), ``ddps``, the optimizer, ``dtype``
+and the ranks.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import json
 import os
 import time
 
-from moe_checkpoint import log0
+from mcore_checkpoint import log0
 
 
 class RunMixin:
@@ -20,6 +22,7 @@ class RunMixin:
         g = torch.Generator().manual_seed(a.data_seed)
         tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
         if not global_batch:
+            assert a.batch % self.dp == 0, "--batch must be divisible by dp"
             per = a.batch // self.dp
             tokens = tokens[self.dp_rank * per:(self.dp_rank + 1) * per]
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -29,7 +32,7 @@ class RunMixin:
 
     # ------------------------------------------------------------------ fwd/bwd
     def _recv(self, shape, src):
-        t = self.torch.empty(shape, dtype=self.torch.float32)
+        t = self.torch.empty(shape, dtype=self.dtype)
         self.dist.recv(t, src=src)
         return t
 
@@ -78,15 +81,14 @@ class RunMixin:
                     self.dist.send(h_in.grad.contiguous(), dst=prev_r)
         return result
 
-    def is_last_chunk_rank(self):
-        return self.last
-
-    def train(self):
+    def train(self, steps: int, first: int = 0) -> list[float]:
+        """``steps`` Adam steps on the fixed global batch; ``LOSS step=<i> <value>`` lines (rank 0) number
+        them from ``first``. Returns the global-batch mean losses."""
         from megatron.core.distributed import finalize_model_grads
 
         torch = self.torch
         losses = []
-        for step in range(self.a.train_steps):
+        for step in range(first, first + steps):
             t = time.time()
             for d in self.ddps:
                 d.zero_grad_buffer()
@@ -105,7 +107,11 @@ class RunMixin:
 
     # ------------------------------------------------------------------ logits
     def write_logits(self, path: str):
+        """Forward the fixed global batch; the last stage gathers logits over tp, trims the vocab padding
+        and writes ``{"logits": [batch, seq, vocab] fp32}`` to ``path`` (safetensors for a
+        ``.safetensors`` name, else ``torch.save``)."""
         torch = self.torch
+        t = time.time()
         runners = self.ddps or self.models
         for r in runners:
             r.eval()
@@ -119,9 +125,21 @@ class RunMixin:
             logits = torch.cat(parts, dim=-1)[..., : self.a.vocab].contiguous().float()
             if self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                torch.save({"logits": logits}, path)
+                if path.endswith(".safetensors"):
+                    from safetensors.torch import save_file
+
+                    save_file({"logits": logits}, path)
+                else:
+                    torch.save({"logits": logits}, path)
                 print(f"LOGITS {path} shape={tuple(logits.shape)} sum={logits.double().sum().item():.10f}",
                       flush=True)
+        self.dist.barrier()
+        log0(f"TIME logits {time.time() - t:.2f}")
+
+    def write_tokens(self, path: str):
+        """``torch.save({"tokens": [batch, seq] int64})`` of the logits' input tokens (process 0)."""
+        if self.dist.get_rank() == 0:
+            self.torch.save({"tokens": self.batch(global_batch=True)[0]}, path)
         self.dist.barrier()
 
     def check_replicas(self):
