@@ -82,14 +82,14 @@ def test_every_name_a_snippet_uses_is_defined_or_explained(page):
 
 
 def test_the_failure_recipe_recovers_outside_the_except_block():
-    failures = [code for path, code, _ in _blocks("docs/megatron.md") if "live.recover(" in code]
+    failures = [code for path, code, _ in _blocks("docs/megatron.md") if "live.rebuild_after_failure(" in code]
     assert len(failures) == 1
     tree = ast.parse(failures[0])
     tries = [n for n in ast.walk(tree) if isinstance(n, ast.Try)]
     assert tries, "the failure recipe must show where the failure is caught"
     in_handler = {id(n) for t in tries for h in t.handlers for n in ast.walk(h)}
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr in ("export_state", "leave", "recover")]
+             and n.func.attr in ("export_state", "leave", "rebuild_after_failure")]
     assert len(calls) == 3 and not [c for c in calls if id(c) in in_handler]
 
 

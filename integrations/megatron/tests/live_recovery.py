@@ -5,7 +5,7 @@ scenario is an ordinary process in the next). In each, the processes first
 train without a failure (the reference), then again with process ``kill``
 killing itself as step ``during`` starts. The test process sees it die,
 publishes the lost rank in the store and starts a replacement; survivors and
-replacement call ``tenplex_megatron.live.recover`` and train to the end.
+replacement call ``tenplex_megatron.live.rebuild_after_failure`` and train to the end.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def _scenario(membership, out: str, s: int, replacement: bool) -> None:
         lost = set(json.loads(membership.store.get(f"s{s}/lost")))
         url = last_checkpoint(out, s, sc)
         _log(out, process, f"s{s} recover {lost} from {url}")
-        done = live.recover(state, build, spec=spec, config=config, lost=lost, seed=seed,         # docs
-                            membership=membership, name=f"recovery-{failures}", store=url)        # docs
+        done = live.rebuild_after_failure(state, build, spec=spec, config=config, lost=lost, seed=seed,  # docs
+                                          membership=membership, name=f"recovery-{failures}", store=url)  # docs
         parts = done.parts                                                                     # docs
         consumed = done.imported.consumed_samples                                              # docs
         first = consumed // batch + 1

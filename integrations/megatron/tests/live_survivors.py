@@ -3,7 +3,7 @@
 Four processes train a real megatron-core GPT (fp32, DDP, DistributedOptimizer)
 at ``CONFIG``, checkpointing every ``EVERY`` steps. Process ``KILL`` SIGKILLs
 itself as step ``DURING`` starts. The three survivors call
-``live.recover(..., replaced=())`` onto ``ALONE`` (two processes; the third
+``live.rebuild_after_failure(..., replaced=())`` onto ``ALONE`` (two processes; the third
 survivor is parked), train to step ``GROW_AFTER``, then a newcomer (a fresh
 process that never formed a group) joins and ``live.change`` grows the world
 back to ``BACK``; all train to ``STEPS``. Results are JSON files in ``out``.
@@ -128,8 +128,9 @@ def _survivor(process: int, port: int, out: str) -> None:
         live.destroy_parallel_state()                                                         # docs
         membership.leave(abort=True)                                                          # docs
         lost = set(json.loads(membership.store.get("lost")))                                  # docs
-        done = live.recover(state, build, spec=spec, config=config, lost=lost, seed=seed,     # docs
-                            membership=membership, name="recovery-1", store=url, new=alone, replaced=())
+        done = live.rebuild_after_failure(state, build, spec=spec, config=config, lost=lost, seed=seed,  # docs
+                                          membership=membership, name="recovery-1", store=url, new=alone,
+                                          replaced=())
         parts, config = done.parts, alone                                                     # docs
         if parts is not None:                                                                 # docs
             consumed = done.imported.consumed_samples                                         # docs

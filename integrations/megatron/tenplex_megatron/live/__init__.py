@@ -1,4 +1,4 @@
-"""Live state of a running megatron-core job: export, import, change, recover.
+"""Live state of a running megatron-core job: export, import, change, rebuild after a failure.
 
 The lines a ``pretrain_gpt``-style loop adds are in ``docs/megatron.md``
 ("Elastic training of a running job"); ``examples/megatron_elastic.py`` runs them.
@@ -11,7 +11,7 @@ The lines a ``pretrain_gpt``-style loop adds are in ``docs/megatron.md``
 - :func:`change`: export, ``tenplex.reconfigure``, new ``parallel_state``,
   rebuild, import; :class:`Membership` re-forms the default group when the
   world size changes.
-- :func:`recover`, :func:`save_checkpoint`: lost ranks rebuilt from replicas,
+- :func:`rebuild_after_failure`, :func:`save_checkpoint`: lost ranks rebuilt from replicas,
   the last checkpoint as fallback; survivors may go on alone.
 - :class:`Snapshots`, :func:`recover_from_snapshots`: host-local snapshots that
   outlive torchrun's workers, and recovery from them after its restart.
@@ -19,11 +19,11 @@ The lines a ``pretrain_gpt``-style loop adds are in ``docs/megatron.md``
 
 from tenplex_megatron.live.change import Changed, Parts, change, transfer
 from tenplex_megatron.live.group import Membership, destroy_parallel_state, init_parallel_state
-from tenplex_megatron.live.recover import Recovered, recover, save_checkpoint
+from tenplex_megatron.live.recover import Recovered, rebuild_after_failure, save_checkpoint
 from tenplex_megatron.live.snapshot import Snapshots, recover_from_snapshots
 from tenplex_megatron.live.spec import LiveSpec, megatron_dp_ranges
 from tenplex_megatron.live.state import Imported, current_config, export_state, import_state
 
 __all__ = ["Changed", "Imported", "LiveSpec", "Membership", "Parts", "Recovered", "change", "current_config",
            "destroy_parallel_state", "export_state", "import_state", "init_parallel_state",
-           "megatron_dp_ranges", "recover", "recover_from_snapshots", "save_checkpoint", "Snapshots", "transfer"]
+           "megatron_dp_ranges", "rebuild_after_failure", "recover_from_snapshots", "save_checkpoint", "Snapshots", "transfer"]

@@ -1,6 +1,6 @@
 """Recovery of a megatron-core job after lost ranks: from replicas, with the last checkpoint as fallback.
 
-Survivors and replacement processes call :func:`recover` together, in a new
+Survivors and replacement processes call :func:`rebuild_after_failure` together, in a new
 default group (:class:`~tenplex_megatron.live.group.Membership`); survivors
 may also go on alone (``replaced=()``), at any config that fits them. What a
 survivor holds comes from it: dp replicas of the model (and of the optimizer
@@ -16,7 +16,7 @@ optimizer) comes from the last committed checkpoint (:func:`save_checkpoint`):
 A survivor exports its state as soon as the failure surfaces, then leaves the
 broken group (:meth:`Membership.leave`, so that peers blocked on it fail
 now rather than at the group's timeout), then learns which ranks are lost
-(from its scheduler), then calls :func:`recover`.
+(from its scheduler), then calls :func:`rebuild_after_failure`.
 
 The survivors' states must be of one step: a failure must not let some
 ranks finish ``optimizer.step()`` while others did not. A collective over
@@ -41,7 +41,7 @@ from tenplex_megatron.live.group import Membership, destroy_parallel_state
 from tenplex_megatron.live.spec import LiveSpec
 from tenplex_megatron.live.state import export_state
 
-__all__ = ["Recovered", "recover", "save_checkpoint"]
+__all__ = ["Recovered", "rebuild_after_failure", "save_checkpoint"]
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Recovered(Changed):
 def save_checkpoint(parts: Parts, url: str, *, spec: LiveSpec, consumed_samples: int) -> None:
     """Every rank writes its own shards to a checkpoint at ``url`` (rank 0 commits the manifest).
 
-    The checkpoint holds the live tree at the current config, so :func:`recover`
+    The checkpoint holds the live tree at the current config, so :func:`rebuild_after_failure`
     can read exactly a lost rank's regions from it.
     """
     import tenplex
@@ -71,10 +71,10 @@ def save_checkpoint(parts: Parts, url: str, *, spec: LiveSpec, consumed_samples:
                              tree, config, url)
 
 
-def recover(state: dict | None, build: Callable[[ParallelConfig], tuple], *, spec: LiveSpec,
-            config: ParallelConfig, lost: set[int], seed: int, membership: Membership, name: str,
-            store: str | None = None, new: ParallelConfig | None = None,
-            replaced: Collection[int] | None = None) -> Recovered:
+def rebuild_after_failure(state: dict | None, build: Callable[[ParallelConfig], tuple], *, spec: LiveSpec,
+                          config: ParallelConfig, lost: set[int], seed: int, membership: Membership,
+                          name: str, store: str | None = None, new: ParallelConfig | None = None,
+                          replaced: Collection[int] | None = None) -> Recovered:
     """Rebuild the job at ``new`` (default ``config``) after losing the ranks ``lost`` of ``config``.
 
     The processes of the recovery group are the survivors and the
@@ -155,11 +155,11 @@ def _renumber(membership: Membership, config: ParallelConfig, new: ParallelConfi
     """
     replaced = set(lost if replaced is None else replaced)
     if not replaced <= lost:
-        raise ConfigError(f"recover: replaced {sorted(replaced)} names ranks that are not lost {sorted(lost)}")
+        raise ConfigError(f"rebuild_after_failure: replaced {sorted(replaced)} names ranks that are not lost {sorted(lost)}")
     gone = lost - replaced
     old = membership.process
     if old in gone:
-        raise ConfigError(f"recover: process {old} is lost and not replaced (replaced {sorted(replaced)}), "
+        raise ConfigError(f"rebuild_after_failure: process {old} is lost and not replaced (replaced {sorted(replaced)}), "
                           "so it cannot take part")
     membership.process = old - sum(1 for g in gone if g < old)
     return old, max(config.world_size - len(gone), new.world_size)
