@@ -20,8 +20,8 @@ PAGES = ["docs/elastic.md", "docs/megatron.md"]
 BLOCK = re.compile(r"((?:<!-- tested: (\S+)[^>]*-->\n)?)```python\n(.*?)```", flags=re.S)
 NOT_MODULES = {"tenplex.commands"}
 """Dotted names on the pages that are not Python objects: an entry-point group."""
-TESTS = [*sorted((ROOT / "tests").glob("test_*.py")),
-         *sorted((ROOT / "integrations" / "megatron" / "tests").glob("test_*.py"))]
+TESTS = [*sorted((ROOT / "tests").rglob("test_*.py")),
+         *sorted((ROOT / "integrations" / "megatron" / "tests").rglob("test_*.py"))]
 
 
 def _code(line: str) -> str:

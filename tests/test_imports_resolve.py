@@ -4,7 +4,7 @@ used on an imported module of theirs, in the library, the examples, the benchmar
 This is what a merge that renames or removes a function breaks first, and a test suite that never
 runs the caller does not notice. On 7391691 (main after four merges) it found
 ``live/state.py`` calling ``rng.encode``, removed by another branch (every live change raised
-AttributeError), and ``test_hostile_api.py`` importing ``tenplex_megatron.dist`` (the module
+AttributeError), and ``hostile/test_api.py`` importing ``tenplex_megatron.dist`` (the module
 failed at collection).
 
 Scanned statically (``ast``): ``from X import name [as alias]``, ``import X [as alias]`` and

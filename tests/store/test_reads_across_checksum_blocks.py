@@ -33,7 +33,7 @@ only in part: reads that end mid-block in tensors of several 1 MiB blocks."""
 
 
 @pytest.mark.parametrize("axis", [1, 0])
-def test_issue_load_repro_tensor_spanning_blocks(tmp_path, axis):
+def test_a_tensor_spanning_checksum_blocks_loads_exactly(tmp_path, axis):
     tree = PTree({"w": TensorLeaf((4096, 512), "float32", Layout(Stage.of_layer(0), Split(axis)))},
                  num_layers=1)
     a, b = ParallelConfig(), ParallelConfig.parse("dp=1,tp=4,pp=1")

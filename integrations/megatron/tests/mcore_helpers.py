@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-WORKER = pathlib.Path(__file__).with_name("mcore_worker.py")
+TESTS = pathlib.Path(__file__).parent  # the workers and helpers (tests in subfolders import them from here)
+WORKER = TESTS / "mcore_worker.py"
 
 MODELS = {
     # GQA (8 heads, 2 groups) + SwiGLU + rope + untied; vocab 100 needs padding (112 at tp=1, 128 at tp=2, 4)

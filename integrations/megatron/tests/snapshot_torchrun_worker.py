@@ -1,4 +1,4 @@
-"""A torchrun worker for test_live_snapshots.py: the megatron-core job of live_snapshots.py, run by
+"""A torchrun worker for live/test_snapshots.py: the megatron-core job of live_snapshots.py, run by
 two torchrun agents as two hosts (``TENPLEX_SNAPSHOT_DIR`` per agent).
 
 First attempt (``TORCHELASTIC_RESTART_COUNT`` 0): ``live_snapshots.run_old`` at world size 4, then

@@ -21,11 +21,10 @@ import tempfile
 
 import pytest
 
-from mcore_helpers import logits, torchrun
+from mcore_helpers import TESTS, logits, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 VERSION = "0.19.2"
 DENSE = ("--layers 2 --hidden 64 --heads 4 --ffn 128 --position learned_absolute --vocab 100 "
          "--make-vocab-size-divisible-by 16 --seq 8")
@@ -55,7 +54,7 @@ def venv_python() -> str:
 
 
 def run(python: str, worker: str, n: int, flags: str, *extra: str) -> str:
-    return torchrun(os.path.join(HERE, worker), n, [*flags.split(), *extra], timeout=400, python=python)
+    return torchrun(TESTS / worker, n, [*flags.split(), *extra], timeout=400, python=python)
 
 
 def tenplex(*args: str) -> None:

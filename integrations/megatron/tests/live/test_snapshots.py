@@ -12,7 +12,9 @@ import pytest
 from tenplex.ptree.config import ParallelConfig
 from tenplex.transform.planner import make_plan
 
-from test_live_megatron import CTX, _read
+from mcore_helpers import TESTS
+
+from live.test_live_api import CTX, _read
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -79,7 +81,7 @@ def _agent(port, snapshots, out, is_host, log):
     import pathlib
     import subprocess
     import sys
-    here = pathlib.Path(__file__).parent
+    here = TESTS
     env = dict(os.environ, TENPLEX_SNAPSHOT_DIR=snapshots, OMP_NUM_THREADS="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")      # see tests/test_snapshot_torchrun.py
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROOT = pathlib.Path(__file__).resolve().parents[4]
 BLOCK = re.compile(r"<!-- tested: (\S+)[^>]*-->\n```python\n(.*?)```", flags=re.S)
 
 

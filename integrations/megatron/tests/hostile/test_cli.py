@@ -192,7 +192,7 @@ def _issue_10_directory(real: pathlib.Path, root: pathlib.Path) -> tuple[Ctx, pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", COMMANDS)
-def test_issue_10_exploit_runs_nothing(command, results):
+def test_a_dotted_os_system_in_dcp_metadata_runs_nothing(command, results):
     """The reproduction from issue 10: ``tenplex inspect DIR`` created MARKER."""
     root, ctx, done = results[f"issue-10-{command}"]
     _assert_refused(root, ctx, done, ".metadata",

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from mcore_helpers import logits, torchrun
+from moe_cases import WORKER
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-WORKER = os.path.join(os.path.dirname(__file__), "moe_worker.py")
 DENSE = ("--layers 2 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
          "--vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --batch 4 --names te")
 MOE = DENSE + " --experts 4 --topk 2"

@@ -1,7 +1,7 @@
 """``dp_reshardable`` buffer keys of MoE and VPP models without megatron-core.
 
 The sizes below are what megatron-core 0.16.1 saved here for the model of
-``test_megatron_moe_optim.py`` (NOTES.md, "Optimizer state of MoE
+``formats/test_moe_optimizer_state.py`` (NOTES.md, "Optimizer state of MoE
 checkpoints"); the rule must reproduce them from shapes alone.
 """
 

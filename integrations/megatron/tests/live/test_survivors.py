@@ -9,7 +9,7 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.transform.planner import make_plan
 from tenplex_megatron.demo.job import live_spec
 
-from test_live_megatron import CTX, _read, _store
+from live.test_live_api import CTX, _read, _store
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -1,6 +1,6 @@
 """Optimizer state of real megatron-core MoE checkpoints (SequentialMLP, 4 experts, top-2, GQA + SwiGLU).
 
-Two kinds the MoE round trips of ``test_megatron_moe.py`` do not cover:
+Two kinds the MoE round trips of ``formats/test_moe.py`` do not cover:
 
 - the distributed optimizer saved ``dp_reshardable`` at ep 2 (``chained_0.``
   dense and ``chained_1.`` expert buffers) and with pp 2 / vpp 2 (one buffer
