@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from tests.helpers.torchrun_reshard import descendants
+
 ROOT = pathlib.Path(__file__).parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -32,25 +34,6 @@ def _agent(port: int, snapshots: str, out: str, is_host: bool, log) -> subproces
            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_conf={conf}",
            str(ROOT / "examples" / "snapshot_torchrun.py"), out]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def test_a_lost_host_is_recovered_from_the_surviving_hosts_snapshots(tmp_path):
@@ -68,7 +51,7 @@ def test_a_lost_host_is_recovered_from_the_surviving_hosts_snapshots(tmp_path):
         while len(list(out.glob("ready-*"))) < 4 and time.time() < deadline and a.poll() is None:
             time.sleep(1)
         assert len(list(out.glob("ready-*"))) == 4, (tmp_path / "agent-a.log").read_text()[-3000:]
-        workers = _descendants(b.pid)                  # torchrun starts its workers in their own sessions
+        workers = descendants(b.pid)                  # torchrun starts its workers in their own sessions
         for pid in [b.pid] + workers:                  # host B is lost: its agent and workers
             os.kill(pid, signal.SIGKILL)
         b.wait()
@@ -77,7 +60,7 @@ def test_a_lost_host_is_recovered_from_the_surviving_hosts_snapshots(tmp_path):
     finally:
         for p in (a, b):
             if p.poll() is None:
-                for pid in _descendants(p.pid) + [p.pid]:
+                for pid in descendants(p.pid) + [p.pid]:
                     os.kill(pid, signal.SIGKILL)
         for f in logs:
             f.close()

@@ -178,15 +178,9 @@ class CheckpointMixin:
         if self.a.load_rng:
             self.restore_rng(state["rng_state"])
         if self.optimizer is not None and not self.a.no_load_optim and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            if self.a.dist_opt:
-                self.optimizer.load_parameter_state(os.path.join(d, "distrib_optim.pt"))
-            self._untie_steps()
-            if "opt_param_scheduler" in state:
-                self.scheduler.load_state_dict(state["opt_param_scheduler"])
-        self.dist.barrier()
-        log0(f"LOADED legacy {root}")
-        log0(f"TIME load_legacy {time.time() - t:.2f}")
+            self._load_optimizer(state["optimizer"], state.get("opt_param_scheduler"),
+                                 os.path.join(d, "distrib_optim.pt") if self.a.dist_opt else None)
+        self._loaded("legacy", root, t)
 
     def restore_rng(self, states: list) -> None:
         """Megatron-LM's RNG restore (``load_checkpoint``), then a draw from every tracker stream
@@ -314,13 +308,23 @@ class CheckpointMixin:
             opt_sd = loaded["optimizer"]
             if os.environ.get("R13_ADAPT_CHAINED") == "1":
                 opt_sd = self._adapt_chained(opt_sd)
-            self.optimizer.load_state_dict(opt_sd)
-            self._untie_steps()
-            if "opt_param_scheduler" in loaded:
-                self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            self._load_optimizer(opt_sd, loaded.get("opt_param_scheduler"))
+        self._loaded("dist", root, t)
+
+    def _load_optimizer(self, opt_sd: dict, scheduler_sd, param_state: str | None = None) -> None:
+        """Megatron-LM's optimizer load: the state dict, the distributed optimizer's parameter state
+        file (legacy ``distrib_optim.pt``), each Adam param its own step, then the scheduler."""
+        self.optimizer.load_state_dict(opt_sd)
+        if param_state is not None:
+            self.optimizer.load_parameter_state(param_state)
+        self._untie_steps()
+        if scheduler_sd is not None:
+            self.scheduler.load_state_dict(scheduler_sd)
+
+    def _loaded(self, fmt: str, root: str, t: float) -> None:
         self.dist.barrier()
-        log0(f"LOADED dist {root}")
-        log0(f"TIME load_dist {time.time() - t:.2f}")
+        log0(f"LOADED {fmt} {root}")
+        log0(f"TIME load_{fmt} {time.time() - t:.2f}")
 
     # ------------------------------------------------------------------ optimizer state
     def _fill_adam_state(self):

@@ -33,6 +33,22 @@ def _run(target, n, out):
     return [p.join(600) or p.exitcode for p in procs]
 
 
+def _resumed_like_the_reference(out) -> dict:
+    """The new job's results, once checked: it went on from the step-2 checkpoint (the step-3
+    snapshots would need host B's optimizer half) with the losses of the run without a failure."""
+    import live_snapshots as ls
+
+    old, new = _read(out, "old"), _read(out, "new")
+    reference = old["reference"]
+    assert [old["losses"][str(k)] for k in range(1, ls.STEPS + 1)] == reference[:ls.STEPS]
+    assert new["step"] == ls.CHECKPOINT and new["rolled_back_to"] is None
+    losses = {int(k): v for k, v in new["losses"].items()}
+    assert sorted(losses) == list(range(ls.CHECKPOINT + 1, ls.FINAL + 1))
+    diff = max(abs(v - reference[k - 1]) for k, v in losses.items())
+    assert diff <= 1e-6, (diff, losses, reference)         # fp32: only dp's reduction order differs
+    return new
+
+
 def test_megatron_job_restarted_on_one_host_recovers_from_its_snapshots(tmp_path):
     import live_snapshots as ls
     import live_survivors as s
@@ -42,15 +58,7 @@ def test_megatron_job_restarted_on_one_host_recovers_from_its_snapshots(tmp_path
     out = str(tmp_path)
     assert _run(ls.old_job, 4, out) == [0, 0, 0, 0], [f.read_text() for f in tmp_path.glob("error-*.json")]
     assert _run(ls.new_job, 2, out) == [0, 0], [f.read_text() for f in tmp_path.glob("error-*.json")]
-    old, new = _read(tmp_path, "old"), _read(tmp_path, "new")
-    reference = old["reference"]
-    assert [old["losses"][str(k)] for k in range(1, ls.STEPS + 1)] == reference[:ls.STEPS]
-    # the checkpoint is of step 2: the step-3 snapshots would need host B's optimizer half
-    assert new["step"] == ls.CHECKPOINT and new["rolled_back_to"] is None
-    losses = {int(k): v for k, v in new["losses"].items()}
-    assert sorted(losses) == list(range(ls.CHECKPOINT + 1, ls.FINAL + 1))
-    diff = max(abs(v - reference[k - 1]) for k, v in losses.items())
-    assert diff <= 1e-6, (diff, losses, reference)         # fp32: only dp's reduction order differs
+    new = _resumed_like_the_reference(tmp_path)
     config, target = ParallelConfig.parse(ls.CONFIG), ParallelConfig.parse(ls.NEW)
     tree = live_spec(s.model(), w.options(True)).tree(config, target)
     plan = make_plan(tree, config, target, alive={0, 1}, store_fallback=True)
@@ -78,16 +86,14 @@ def _descendants(pid: int) -> list[int]:
 
 def _agent(port, snapshots, out, is_host, log):
     import os
-    import pathlib
     import subprocess
     import sys
-    here = TESTS
     env = dict(os.environ, TENPLEX_SNAPSHOT_DIR=snapshots, OMP_NUM_THREADS="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")      # see tests/test_snapshot_torchrun.py
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=2",
            "--max_restarts=1", "--monitor_interval=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
            f"--rdzv_conf=is_host={int(is_host)},last_call_timeout=15,join_timeout=300",
-           str(here / "snapshot_torchrun_worker.py"), out]
+           str(TESTS / "snapshot_torchrun_worker.py"), out]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -130,14 +136,7 @@ def test_megatron_job_under_torchrun_loses_a_host_and_recovers_from_the_other(tm
             f.close()
     assert a.returncode == 0, [f.read_text() for f in out.glob("error-*.json")] or \
         (tmp_path / "agent-a.log").read_text()[-4000:]
-    old, new = _read(out, "old"), _read(out, "new")
-    reference = old["reference"]
-    assert [old["losses"][str(k)] for k in range(1, ls.STEPS + 1)] == reference[:ls.STEPS]
-    assert new["step"] == ls.CHECKPOINT and new["rolled_back_to"] is None
-    losses = {int(k): v for k, v in new["losses"].items()}
-    assert sorted(losses) == list(range(ls.CHECKPOINT + 1, ls.FINAL + 1))
-    diff = max(abs(v - reference[k - 1]) for k, v in losses.items())
-    assert diff <= 1e-6, (diff, losses, reference)
+    new = _resumed_like_the_reference(out)
     # the old ranks host A held: its snapshot folders
     held = {int(d.name[5:]) for d in (tmp_path / "host-a" / "job").iterdir() if d.name.startswith("rank-")}
     assert len(held) == 2
