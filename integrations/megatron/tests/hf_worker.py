@@ -90,17 +90,18 @@ class Worker(moe_worker.Worker):
 
     def redraw_experts(self):
         """Expert ``local_experts.j`` of layer ``l`` on ep rank ``r`` gets N(0, 0.02) weights seeded by
-        ``(l, r * E / ep + j)``: experts differ by their global id, whatever ep saved them."""
+        ``(l, r * E / ep + j)`` and the expert-tensor-parallel rank (its etp shard): experts differ by
+        their global id, and an expert's etp shards differ, whatever ep and etp saved them."""
         import re
 
         a, torch = self.a, self.torch
-        assert a.pp == 1 and a.etp == 1 and not a.vpp, "--distinct-experts needs pp = etp = 1"
-        per = a.experts // a.ep
+        assert a.pp == 1 and not a.vpp, "--distinct-experts needs pp = 1 (layer names are global)"
+        per, shard = a.experts // a.ep, self.ps.get_expert_tensor_parallel_rank()
         for name, p in self.model.named_parameters():
             m = re.search(r"layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc\d)", name)
             if m:
                 layer, g = int(m.group(1)), self.ep_rank * per + int(m.group(2))
-                gen = torch.Generator().manual_seed(10_000 + 100 * layer + 10 * g + int(m.group(3)[-1]))
+                gen = torch.Generator().manual_seed(10_000 + 1000 * shard + 100 * layer + 10 * g + int(m.group(3)[-1]))
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     w = Worker(a)
     import time
 
-    t = time.time()
+    t, cpu = time.time(), time.process_time()
     if a.load == "legacy":
         w.load_legacy(a.load_dir)
     elif a.load == "dist":
@@ -171,6 +172,7 @@ def main(argv=None) -> int:
     if a.hf_save:
         save_pretrained(w, a.hf_save)
         print(f"TIME hf_convert {time.time() - t:.2f}", flush=True)
+        print(f"TIME hf_convert_cpu {time.process_time() - cpu:.2f}", flush=True)  # every thread's CPU seconds
     if a.save in ("legacy", "both"):
         w.save_legacy(a.save_dir if a.save == "legacy" else os.path.join(a.save_dir, "legacy"))
     if a.save in ("dist", "both"):
