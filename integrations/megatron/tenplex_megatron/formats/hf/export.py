@@ -16,6 +16,7 @@ written into a temporary sibling directory renamed to ``dst`` last.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -144,6 +145,8 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
     tmp = f"{dst.rstrip('/')}.tenplex-partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    collecting = gc.isenabled()
+    gc.disable()  # a full collection walks every object torch made, holding the GIL the readers need
     try:
         sizes, weight_map = _write(source, files, geometry(cfg, fields), tdtype, tmp, threads, progress, budget)
         _finish(tmp, weight_map, sum(j.nbytes for j in work), _config_json(Model(cfg, fields), family, out_dtype))
@@ -153,6 +156,9 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if collecting:
+            gc.enable()
     return {"bytes_written": sum(sizes.values()), "files": len(files), "family": family.name,
             "padding": [], "notes": notes}
 
