@@ -6,8 +6,8 @@ untied, fp32, weights only) of about ``--gb`` GB is saved at ``tp=2,pp=2``
 by four gloo processes on CPU (``integrations/megatron/tests/hf_worker.py``)
 as a legacy checkpoint and a ``torch_dist`` directory. Each is exported
 with ``python -m tenplex.cli.main reshard SRC DST --to dp=1,tp=1,pp=1
---format hf`` (a subprocess; where the installed entry points do not list
-the ``hf`` format yet, the subprocess adds it before calling ``main``).
+--format hf`` (a subprocess; the ``hf`` format comes from the installed entry
+points).
 
 **Memory.** The export's peak RSS is its own process's high-water mark
 (``os.wait4``'s ``ru_maxrss``); the baseline is that of a process that
@@ -35,7 +35,7 @@ in S s" (open, plan, read, write) over the alternative's load to save.
 
 The last line is one JSON object. Run it when the machine is otherwise idle.
 
-Usage: python bench/hf_export.py [--gb 2.0] [--threads 8] [--repeat 3] [--shm]
+Usage: python bench/hf_export.py [--gb 2.0] [--threads 8] [--repeat 3] [--shm] [--sources DIR]
 """
 
 from __future__ import annotations
@@ -57,13 +57,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_common import dir_bytes  # noqa: E402
 
 WORKER = ROOT / "integrations" / "megatron" / "tests" / "hf_worker.py"
-_IMPORTS = ("import sys; import tenplex.cli.main as m; m.build_parser(); import tenplex.cli.commands, "
-            "tenplex.api; from tenplex.cli import commands, formats; "
+_IMPORTS = ("import sys; import tenplex.cli.main as m; m.build_parser(); import tenplex.cli.commands, tenplex.api; "
+            "from tenplex.formats.registry import formats; "
             "import tenplex_megatron.formats.legacy.read, tenplex_megatron.formats.dist.source; "
-            "from tenplex_megatron.formats.hf.plugin import HF; import tenplex_megatron.formats.hf.export; "
-            "import safetensors.torch; found = formats.formats()")
-_CLI = _IMPORTS + ("\nif 'hf' not in found:\n    commands.formats = formats.formats = lambda: {**found, 'hf': HF}\n"
-                   "sys.exit(m.main(sys.argv[1:]))")
+            "import tenplex_megatron.formats.hf.plugin, tenplex_megatron.formats.hf.export; "
+            "import safetensors.torch; assert 'hf' in formats(), sorted(formats())")
+_CLI = _IMPORTS + "\nsys.exit(m.main(sys.argv[1:]))"
 
 
 def model_shape(gb: float) -> dict:
@@ -143,6 +142,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--shm", action="store_true", help="put the checkpoints in /dev/shm (RAM)")
+    parser.add_argument("--sources", default=None,
+                        help="keep the saved checkpoints in this folder and reuse them when it holds "
+                             "legacy/ and dist/ (saved by this script at the same --gb)")
     args = parser.parse_args()
     m = model_shape(args.gb)
     flags = worker_flags(m)
@@ -150,8 +152,11 @@ def main() -> None:
     print(f"model: layers={m['layers']} hidden={m['hidden']} heads={m['heads']} groups={m['query_groups']} "
           f"ffn={m['ffn']} vocab={m['vocab']}: {m['params'] / 1e6:.1f}M params; scratch {root}", flush=True)
     try:
-        w, _ = run_worker(4, flags, "--tp", "2", "--pp", "2", "--save", "both", "--save-dir", f"{root}/src")
-        src = {"legacy": f"{root}/src/legacy", "dist": f"{root}/src/dist"}
+        saved = args.sources or f"{root}/src"
+        src = {"legacy": f"{saved}/legacy", "dist": f"{saved}/dist"}
+        w = 0.0
+        if not all(os.path.isdir(p) for p in src.values()):
+            w, _ = run_worker(4, flags, "--tp", "2", "--pp", "2", "--save", "both", "--save-dir", saved)
         print(f"sources saved by megatron-core at tp=2,pp=2 ({w:.0f} s): " + ", ".join(
             f"{k} {dir_bytes(v) / 1e9:.2f} GB" for k, v in src.items()), flush=True)
         start, baseline, _, start_cpu = measured([sys.executable, "-c", _IMPORTS])
