@@ -47,6 +47,10 @@ def hf_models(tmp_path_factory):
             cls, extra, _ = MODELS[name]
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **extra))
+            with torch.no_grad():  # transformers starts biases at 0 and norms at 1: draw them apart
+                for p in model.parameters():
+                    if p.dim() == 1:
+                        p.add_(torch.randn_like(p) * 0.1)
             model.save_pretrained(str(root / name))
             made[name] = root / name
         return made[name]
