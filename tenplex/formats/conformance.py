@@ -12,7 +12,12 @@ runs in seconds. Each test:
 - ``test_write_then_open_is_bit_exact``: every global tensor read back
   through ``open_source`` equals the source's (logical rows), bit for bit;
 - ``test_verify_finds_a_flipped_byte``: one flipped byte in the middle of
-  the largest data file makes ``verify`` raise ``CorruptShardError``;
+  the largest data file makes ``verify`` raise ``CorruptShardError``. A
+  format whose files carry no checksums (safetensors) says so honestly:
+  ``verify_checks_data = False``; the test then shows that such a flip is
+  *not* found (the declaration is true), and that a flipped byte at each of
+  the format's :meth:`~FormatConformance.structure_bytes` (headers, index)
+  is found (``CorruptShardError`` or ``ManifestError``);
 - ``test_an_interrupted_write_leaves_nothing``: a source read that fails
   mid-write reaches the caller, and nothing is left at the target path;
 - ``test_refuses_a_hostile_metadata_file``: a metadata file replaced by
@@ -28,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from tenplex.errors import CorruptShardError, TenplexError
+from tenplex.errors import CorruptShardError, ManifestError, TenplexError
 from tenplex.formats.protocol import Format
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree.config import ParallelConfig
@@ -69,6 +74,15 @@ class _FailingSource:
         return self._source.read(record, starts, ends)
 
 
+def _flip(file: str, offset: int) -> None:
+    """Invert every bit of byte ``offset`` of ``file`` (twice restores it)."""
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 class FormatConformance:
     """The suite; subclass it in a test module and set :attr:`format`.
 
@@ -78,9 +92,13 @@ class FormatConformance:
         meta: the source's meta (e.g. a Megatron model config).
         source_config, target_config: the configs written from and to.
         metadata_file: the file ``describe`` reads first (to make hostile).
+        structure_bytes: bytes ``verify`` must find flipped where it cannot check data.
     """
 
     format: Format
+    verify_checks_data: bool = True
+    """Whether ``verify`` finds any flipped data byte (the format keeps checksums). A format
+    without them sets False and lists :meth:`structure_bytes`."""
     source_config = ParallelConfig(dp=1, tp=2, pp=1)
     target_config = ParallelConfig(dp=1, tp=1, pp=2)
 
@@ -96,6 +114,11 @@ class FormatConformance:
 
     def metadata_file(self, path: str) -> str:
         raise NotImplementedError(f"{type(self).__name__}: say which file describe() reads first")
+
+    def structure_bytes(self, path: str) -> list[tuple[str, int]]:
+        """``[(file, byte offset)]`` of ``path`` that ``verify`` finds flipped, where
+        :attr:`verify_checks_data` is False (header lengths, headers, indexes)."""
+        return []
 
     # -- fixtures --------------------------------------------------------------------------------
 
@@ -133,13 +156,21 @@ class FormatConformance:
         self.format.verify(written)
         files = [os.path.join(d, f) for d, _, names in os.walk(written) for f in names]
         largest = max(files, key=os.path.getsize)
-        with open(largest, "r+b") as f:
-            f.seek(os.path.getsize(largest) // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        with pytest.raises(CorruptShardError):
-            self.format.verify(written)
+        _flip(largest, os.path.getsize(largest) // 2)
+        if self.verify_checks_data:
+            with pytest.raises(CorruptShardError):
+                self.format.verify(written)
+            return
+        self.format.verify(written)  # declared: a flipped data byte is not found
+        _flip(largest, os.path.getsize(largest) // 2)
+        spots = self.structure_bytes(written)
+        assert spots, f"{type(self).__name__}: verify checks no data; name the bytes it does check"
+        for file, offset in spots:
+            _flip(file, offset)
+            with pytest.raises((CorruptShardError, ManifestError)):
+                self.format.verify(written)
+            _flip(file, offset)
+        self.format.verify(written)
 
     def test_an_interrupted_write_leaves_nothing(self, source, tmp_path):
         path = str(tmp_path / "interrupted")

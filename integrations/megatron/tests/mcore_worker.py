@@ -298,18 +298,19 @@ class Worker(CheckpointMixin, RunMixin):
 
     def redraw_experts(self):
         """Expert ``local_experts.j`` of layer ``l`` on ep rank ``r`` gets N(0, 0.02) weights seeded by
-        ``(l, r * E / ep + j)``: experts differ by their global id, whatever ep saved them
+        ``(l, r * E / ep + j)`` and the expert-tensor-parallel rank (its etp shard): experts differ by
+        their global id, and an expert's etp shards differ, whatever ep and etp saved them
         (megatron-core's CPU initialization gives ep ranks the same local experts)."""
         import re
 
         a, torch = self.a, self.torch
-        assert a.pp == 1 and a.etp == 1 and not a.vpp, "--distinct-experts needs pp = etp = 1"
-        per = a.experts // a.ep
+        assert a.pp == 1 and not a.vpp, "--distinct-experts needs pp = 1 (layer names are global)"
+        per, shard = a.experts // a.ep, self.ps.get_expert_tensor_parallel_rank()
         for name, p in self.model.named_parameters():
             m = re.search(r"layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc\d)", name)
             if m:
                 layer, g = int(m.group(1)), self.ep_rank * per + int(m.group(2))
-                gen = torch.Generator().manual_seed(10_000 + 100 * layer + 10 * g + int(m.group(3)[-1]))
+                gen = torch.Generator().manual_seed(10_000 + 1000 * shard + 100 * layer + 10 * g + int(m.group(3)[-1]))
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
@@ -346,7 +347,7 @@ def main(argv=None, preset: str = "dense") -> int:
         w.dump_keys(a.dump_dir)
     if a.fresh_logits_out:
         w.write_logits(a.fresh_logits_out)
-    t = time.time()
+    t, cpu = time.time(), time.process_time()
     if a.load != "none":
         _load(w, a.load, a.load_dir)
     if a.hf_save:
@@ -354,6 +355,7 @@ def main(argv=None, preset: str = "dense") -> int:
 
         save_pretrained(w, a.hf_save)
         print(f"TIME hf_convert {time.time() - t:.2f}", flush=True)
+        print(f"TIME hf_convert_cpu {time.process_time() - cpu:.2f}", flush=True)  # every thread's CPU seconds
     if a.loaded_logits_out:
         w.write_logits(a.loaded_logits_out)
     w.optim_summary("after_load")

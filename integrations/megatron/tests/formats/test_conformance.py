@@ -1,4 +1,4 @@
-"""Both Megatron formats join the format conformance suite (tenplex.formats.conformance).
+"""The Megatron formats (legacy, torch_dist, hf) join the format conformance suite (tenplex.formats.conformance).
 
 The source is a tenplex store of a Megatron GPT tree with random tensors and
 the value leaves a Megatron checkpoint carries, so the suite runs in seconds
@@ -9,10 +9,12 @@ what megatron-core itself writes and loads.
 from __future__ import annotations
 
 import glob
+import os
 
 from tenplex.formats.conformance import FormatConformance
 from tenplex.models import random_state
 from tenplex.ptree.config import ParallelConfig
+from tenplex_megatron.formats.hf.plugin import HF
 from tenplex_megatron.formats.plugin import DIST, LEGACY
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import megatron_tree
@@ -86,3 +88,48 @@ def test_a_megatron_to_store_reshard_builds_one_sharding_per_config(tmp_path, mo
         tenplex.reshard(str(root / "m"), str(root / "out"), to, format="tenplex")
         monkeypatch.setattr(sharding_module.Sharding, "__init__", real)
         assert sorted(built) == sorted([str(case.target_config), str(to)]), (case.format.name, built)
+
+
+HF_CFG = MegatronConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, ffn_hidden_size=64,
+                        num_query_groups=2, swiglu=True, untie_embeddings_and_output_weights=True,
+                        position_embedding_type="rope", add_bias_linear=False, normalization="RMSNorm")
+HF_ARGS = {**ARGS, "swiglu": True, "untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
+           "add_bias_linear": False, "normalization": "RMSNorm", "norm_epsilon": 1e-5, "rotary_base": 10000,
+           "tensor_model_parallel_size": 2}
+
+
+class TestHFFormat(_Megatron):
+    """The ``hf`` format (an export, read back by the import) from a tp = 2 Llama-like tree.
+
+    Safetensors files keep no checksums: ``verify`` checks structure (each header against its
+    file's size, the index against the headers), so a flipped data byte is declared not found
+    and a flipped header-length, header or index byte must be found (docs/hf.md, "Verify").
+    """
+
+    format = HF
+    target_config = ParallelConfig()
+    verify_checks_data = False
+
+    def make_tree(self):
+        return megatron_tree(HF_CFG)
+
+    def make_state(self, tree, config):
+        state = super().make_state(tree, config)
+        state["megatron/args"] = HF_ARGS
+        return state
+
+    def meta(self, tree):
+        return {"megatron": {"format": "legacy", "config": HF_CFG.to_json(), "optimizer": None,
+                             "buffer_dtypes": None}}
+
+    def metadata_file(self, path: str) -> str:
+        return f"{path}/config.json"
+
+    def structure_bytes(self, path: str) -> list[tuple[str, int]]:
+        import struct
+
+        shard = sorted(glob.glob(f"{path}/*.safetensors"))[0]
+        with open(shard, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        index = f"{path}/model.safetensors.index.json"
+        return [(shard, 0), (shard, 8 + n // 2), (index, os.path.getsize(index) // 2)]

@@ -14,7 +14,7 @@ from tenplex_megatron.formats.hf.family import TRANSFORMS, Family, Transform, ge
 from tenplex_megatron.formats.hf.fields import ModelFields
 from tenplex_megatron.model.config import MegatronConfig
 
-__all__ = ["Job", "jobs", "geometry", "apply", "out_shapes"]
+__all__ = ["Job", "jobs", "geometry", "apply", "out_shapes", "segments", "Segment"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,46 @@ def apply(job: Job, tensor: torch.Tensor, geo: tf.Geometry, dtype: torch.dtype) 
     if len(parts) != len(job.names):
         raise ConfigError(f"{job.path}: {t.value} gives {len(parts)} tensors, the family names {len(job.names)}")
     return {n: _own(p.to(dtype)) for n, p in zip(job.names, parts)}
+
+
+Segment = tuple[int, int, str, int]
+"""``(source element, elements, HF name, element in that HF tensor)``: one run the export copies as is."""
+
+
+def segments(job: Job, shape: tuple[int, ...], geo: tf.Geometry, same_dtype: bool) -> list[Segment] | None:
+    """:func:`apply` of ``job`` as runs of a global tensor of ``shape`` copied unchanged into the HF
+    tensors (elements, flat order), or None where a value changes (a dtype change, ``+ 1``
+    norms, rope's row order under ``rotary_interleaved``): then :func:`apply` it.
+
+    Every transform but those moves whole rows (``transforms.py``): COPY all rows, VOCAB the
+    first ``vocab``, GATE_UP the halves, QKV per query group ``nh/g`` query heads, one key
+    head, one value head. The export writes each run straight from the read buffers.
+    """
+    if not shape:
+        return None
+    t, rows = job.transform, shape[0]
+    expect = {Transform.QKV: ((geo.heads + 2 * geo.groups) * geo.d, 3), Transform.GATE_UP: (rows - rows % 2, 2),
+              Transform.VOCAB: (max(rows, geo.vocab), 1)}.get(t, (rows, 1))
+    if (rows, len(job.names)) != expect:  # apply() raises its error
+        return None
+    if not same_dtype or t in (Transform.NORM, Transform.HEAD_NORM) and (geo.layernorm_1p or geo.interleaved) \
+            or t is Transform.QKV and geo.interleaved:
+        return None
+    row = prod(shape[1:])
+    if t is Transform.QKV:
+        per, d = geo.heads // geo.groups, geo.d
+        q, k, v = job.names
+        out = []
+        for g in range(geo.groups):
+            base = g * (per + 2) * d
+            out += [(base * row, per * d * row, q, g * per * d * row),
+                    ((base + per * d) * row, d * row, k, g * d * row),
+                    ((base + (per + 1) * d) * row, d * row, v, g * d * row)]
+        return out
+    if t is Transform.GATE_UP:
+        half = rows // 2 * row
+        return [(0, half, job.names[0], 0), (half, half, job.names[1], 0)]
+    return [(0, (geo.vocab if t is Transform.VOCAB else rows) * row, job.names[0], 0)]
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

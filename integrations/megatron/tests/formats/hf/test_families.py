@@ -1,8 +1,10 @@
 """Each family exported from a real megatron-core model and loaded by transformers, and a negative
 control per transform: the export with that one transform left out gives other logits (or no model).
 
-Sources: Qwen2 at (tp2), Qwen3 (tied) at (pp2), Mixtral and Qwen3-MoE at (ep2), Llama at (tp2, pp2),
-saved by megatron-core in both formats (hf_worker.py, flags in hf_cases.MODELS).
+Sources: Qwen2 at (tp2), Qwen3 (tied) at (pp2), Mixtral at (tp2, cp2, ep2, etp2), Qwen3-MoE at (ep2),
+Llama at (tp2, pp2), saved by megatron-core in both formats (hf_worker.py, flags in hf_cases.MODELS).
+Mixtral's source has cp replicas of every dense tensor and each expert split in two by etp (the
+shards drawn apart by ``--distinct-experts``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tenplex_megatron.formats.plugin import DIST
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TOL = 1e-5
 WHERE = {"llama": (4, "--tp 2 --pp 2"), "qwen2": (2, "--tp 2"), "qwen3": (2, "--pp 2"),
-         "mixtral": (2, "--ep 2"), "qwen3_moe": (2, "--ep 2")}
+         "mixtral": (4, "--tp 2 --cp 2 --ep 2 --etp 2"), "qwen3_moe": (2, "--ep 2")}
 ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -40,6 +42,25 @@ def test_family_export_matches_megatron(sources, tmp_path, model, fmt):
     assert config["architectures"] == [ARCH[model]], config
     ref, tokens = reference(src)
     assert (hf_logits(tmp_path / "hf", tokens) - ref).abs().max().item() <= TOL
+
+
+def test_expert_tensor_parallel_halves_are_joined_in_order(sources, tmp_path):
+    """Negative control for the etp source: Mixtral's export (tp2, cp2, ep2, etp2) with one expert's
+    two etp halves of ``w2`` swapped misses megatron-core's logits."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = sources("mixtral")
+    ref, tokens = reference(src)
+    out = tmp_path / "hf"
+    HF.write(DIST.open_source(str(src / "dist")), str(out), None)
+    assert (hf_logits(out, tokens) - ref).abs().max().item() <= TOL
+    file = out / "model-00001-of-00001.safetensors"
+    tensors = load_file(str(file))
+    name = "model.layers.0.block_sparse_moe.experts.3.w2.weight"  # [H, F]: etp splits F
+    tensors[name] = torch.cat(tensors[name].chunk(2, dim=1)[::-1], dim=1)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    assert (hf_logits(out, tokens) - ref).abs().max().item() > 100 * TOL
 
 
 # ---------------------------------------------------------------------------------- negative controls
@@ -92,6 +113,10 @@ def test_each_transform_is_needed(sources, tmp_path, monkeypatch, transform):
     HF.write(DIST.open_source(str(src / "dist")), str(tmp_path / "good"), None)
     assert (hf_logits(tmp_path / "good", tokens) - ref).abs().max().item() <= TOL
     patch(monkeypatch)
+    # The export writes row-moving transforms as copy-free runs (mapping.segments), which
+    # test_hf_units.py::test_row_runs_write_what_apply_makes shows equal to apply(); the controls
+    # patch transforms.py, so the bad export takes apply() for every tensor.
+    monkeypatch.setattr(export_mod, "segments", lambda *args: None)
     try:
         HF.write(DIST.open_source(str(src / "dist")), str(tmp_path / "bad"), None)
         got = hf_logits(tmp_path / "bad", tokens)

@@ -24,6 +24,13 @@ MODELS = {
                                          rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
                   "--ffn 48 --experts 4 --topk 2 --moe-ffn 48 --qk-layernorm --pre-softmax --eps 1e-6 "
                   "--rotary-base 1000000"),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                      rms_norm_eps=1e-5, rope_parameters={"rope_theta": 1000000.0,
+                                                                          "rope_type": "default"}),
+                "--ffn 48 --experts 4 --topk 2 --moe-ffn 48 --eps 1e-5 --rotary-base 1000000"),
+    "qwen2": ("Qwen2Config", dict(intermediate_size=96, rms_norm_eps=1e-6,
+                                  rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
+              "--ffn 96 --add-qkv-bias --eps 1e-6 --rotary-base 1000000"),
 }
 WORKER = ("--layers 4 --hidden 64 --heads 8 --query-groups 2 --swiglu --position rope --untie --vocab 100 "
           "--make-vocab-size-divisible-by 128 --seq 8")
@@ -40,6 +47,10 @@ def hf_models(tmp_path_factory):
             cls, extra, _ = MODELS[name]
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **extra))
+            with torch.no_grad():  # transformers starts biases at 0 and norms at 1: draw them apart
+                for p in model.parameters():
+                    if p.dim() == 1:
+                        p.add_(torch.randn_like(p) * 0.1)
             model.save_pretrained(str(root / name))
             made[name] = root / name
         return made[name]
@@ -48,9 +59,9 @@ def hf_models(tmp_path_factory):
 
 @pytest.mark.parametrize("name,n,to,fmt", [
     ("llama", 4, "tp=2,pp=2", "megatron-dist"),
-    ("llama", 4, "tp=2,pp=2", "megatron-legacy"),
+    ("qwen2", 4, "tp=2,pp=2", "megatron-legacy"),  # qkv bias
     ("qwen3_moe", 2, "dp=2,ep=2", "megatron-dist"),
-    ("qwen3_moe", 2, "dp=2,ep=2", "megatron-legacy"),
+    ("mixtral", 2, "dp=2,ep=2", "megatron-legacy"),
 ])
 def test_import_loads_in_megatron_core(hf_models, tmp_path, name, n, to, fmt):
     src = hf_models(name)

@@ -27,6 +27,57 @@ def cfg(**kw) -> MegatronConfig:
 
 
 # ------------------------------------------------------------------------------------- transforms
+@pytest.mark.parametrize("transform,shape", [("qkv", (96, 64)), ("qkv", (96,)), ("gate_up", (192, 64)),
+                                             ("vocab", (112, 64)), ("copy", (64, 96)), ("norm", (64,))])
+def test_row_runs_write_what_apply_makes(tmp_path, transform, shape):
+    """The export writes row-moving transforms straight from the read buffers (``segments``), from
+    parts that split the tensor anywhere: the file holds ``apply``'s tensors bit for bit. Where a
+    value changes (another dtype, interleaved rope rows, ``+ 1`` norms) there are no runs."""
+    from safetensors.torch import load_file
+
+    from tenplex_megatron.formats.hf.family import Transform
+    from tenplex_megatron.formats.hf.mapping import Job, apply, out_shapes, segments
+    from tenplex_megatron.formats.hf.stwriter import ShardFile
+
+    t, c = Transform(transform), cfg()
+    names = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}.get(transform, ("w",))
+    shapes = out_shapes(t, shape, c)
+    geo = tf.Geometry(heads=8, groups=2, d=8, vocab=100)
+    job = Job("model/x", names, t, 0, shapes)
+    tensor = torch.randn(shape)
+    runs = segments(job, shape, geo, same_dtype=True)
+    f = ShardFile(str(tmp_path / "a.safetensors"), [(n, torch.float32, s) for n, s in zip(names, shapes)])
+    flat, position = tensor.reshape(-1), 0
+    for part in flat.split([7, flat.numel() // 3, flat.numel() - 7 - flat.numel() // 3]):  # cuts inside rows
+        for start, n, name, at in runs:
+            lo, hi = max(position, start), min(position + part.numel(), start + n)
+            if lo < hi:
+                f.write_range(name, at + lo - start, part[lo - position: hi - position])
+        position += part.numel()
+    f.close()
+    got, want = load_file(str(tmp_path / "a.safetensors")), apply(job, tensor, geo, torch.float32)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert segments(job, shape, geo, same_dtype=False) is None
+    if transform in ("qkv", "norm"):
+        changed = tf.Geometry(heads=8, groups=2, d=8, vocab=100, interleaved=True, layernorm_1p=True)
+        assert segments(job, shape, changed, same_dtype=True) is None
+
+
+def test_a_shard_file_refuses_a_range_twice_or_outside(tmp_path):
+    from tenplex.errors import ShardError
+    from tenplex_megatron.formats.hf.stwriter import ShardFile
+
+    f = ShardFile(str(tmp_path / "a.safetensors"), [("w", torch.float32, (4, 2))])
+    f.write_range("w", 0, torch.zeros(6))
+    with pytest.raises(ShardError, match="outside"):
+        f.write_range("w", 6, torch.zeros(3))
+    f.write_range("w", 6, torch.zeros(2))
+    with pytest.raises(ShardError, match="twice"):
+        f.write_range("w", 0, torch.zeros(2))
+    with pytest.raises(CorruptShardError, match="never written"):
+        ShardFile(str(tmp_path / "b.safetensors"), [("w", torch.float32, (4,))]).close()
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_qkv_split_and_merge_are_inverse(interleaved):
     geo = tf.Geometry(heads=8, groups=2, d=8, interleaved=interleaved)
