@@ -68,6 +68,7 @@ import socket
 import tempfile
 import time
 
+import live_phases
 from bench_common import (check_plain_sharding, free_port, logical_bytes, make_spec,
                           pattern, phase_table, profile_path, ring, slowest, timed)
 
@@ -205,6 +206,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
     from tenplex.ptree.shards import materialize
 
     torch.set_num_threads(1)
+    phase_times = live_phases.instrument()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=900))
@@ -233,14 +235,16 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         # 1. live reconfiguration
         live, rep, leaves = math.inf, None, 0
         for i in range(repeat):
+            phase_times.clear()
             (out, r), s, cpu = timed(lambda: tenplex.reconfigure(local, tree, src, dst,
                                                                  memory_budget=budget))
+            run_phases = live_phases.finish(phase_times)
             if i == 0 and expected is not None:
                 leaves = _check(out, expected)
             del out
             gc.collect()
             if s < live:
-                live, rep, live_cpu = s, r, cpu
+                live, rep, live_cpu, best_phases = s, r, cpu, run_phases
             _say(rank, f"live run {i + 1}/{repeat}: {s:.3f} s (report.seconds {r.seconds:.3f})")
 
         # 3. floor: the same bytes over gloo p2p
@@ -270,13 +274,15 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
             dist.barrier()
             prof.enable()
             t0 = time.perf_counter()
-            tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
+            out, _ = tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
             t1 = time.perf_counter() - t0
             prof.disable()
             prof.dump_stats(profile_path(profile, rank))
             _say(rank, f"profiled run (every rank under cProfile): {slowest(t1):.3f} s")
             del out
 
+        per_rank = [None] * WORLD
+        dist.all_gather_object(per_rank, best_phases)
         counts = torch.tensor([leaves, dcp_leaves], dtype=torch.int64)
         dist.all_reduce(counts)
         checked = counts.tolist()
@@ -290,7 +296,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
                            "matrix": matrix, "dcp_s": dcp_best, "dcp_save_s": save_best,
                            "dcp_load_s": load_best, "live_cpu_s": live_cpu,
                            "dcp_cpu_s": dcp_cpu, "ring_cpu_s": ring_cpu, "live_leaves_checked": checked[0],
-                           "dcp_leaves_checked": checked[1]}, f)
+                           "dcp_leaves_checked": checked[1], "phases": per_rank}, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -306,6 +312,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per path; the best counts")
     parser.add_argument("--src", default="dp=2,tp=2,pp=1")
     parser.add_argument("--dst", default="dp=1,tp=4,pp=1")
+    parser.add_argument("--no-405b", action="store_true",
+                        help="skip the estimate at the size of a Llama-3.1-405B rank (plans it whole, ~1 GB)")
     parser.add_argument("--profile", default="", help="cProfile one extra live run of rank 0 to FILE")
     args = parser.parse_args()
 
@@ -370,6 +378,27 @@ def main() -> None:
     for name, value, goal, met in goals:
         print(f"{name:<24} {value:>7.3f}  goal {goal:<8} {'met' if met else 'NOT met'}")
 
+    phases = r["phases"]
+    print(f"\nwhere the best live run's time went, per process (seconds; gathers include waiting "
+          f"for the other processes):\n{live_phases.table(phases)}")
+    plan_s = max(t.get("plan", 0.0) for t in phases)
+    agree_s = max(sum(t.get(k, 0.0) for k in live_phases.AGREE) for t in phases)
+    busiest = max(phases, key=lambda t: t.get("received bytes", 0))
+    rate = busiest.get("received bytes", 0) / busiest.get("executor", 1.0)
+    per_op = max(t.get("plan", 0.0) / max(1, t.get("plan rows", 1)) for t in phases)
+    print(f"plan {plan_s:.4f} s ({per_op * 1e6:.1f} us per row), agree {agree_s:.4f} s, busiest "
+          f"process received {busiest.get('received bytes', 0) / 1e6:.1f} MB at {rate / 1e9:.2f} GB/s")
+    est = None
+    if not args.no_405b:
+        est = live_phases.estimate_405b(per_op, agree_s, rate)
+        print(f"at one Llama-3.1-405B rank (dp=64 -> 128, tp 8, pp 16; rank {est['rank']} receives "
+              f"{est['rank_bytes'] / 1e9:.2f} GB, {est['rank_rows']} plan rows): plan "
+              f"{est['plan_s'] * 1e3:.1f} ms ({est['plan_how']}), agree {est['agree_s'] * 1e3:.1f} ms, "
+              f"transfer {est['transfer_s']:.2f} s: plan + agree = {100 * est['plan_agree_share']:.2f}% "
+              f"of the change (goal < 5%); planning the whole world on every rank "
+              f"({est['whole_plan_s']:.2f} s, {est['whole_plan_rows']} rows) would make it "
+              f"{100 * est['today_plan_agree_share']:.1f}%")
+
     if args.profile:
         import pstats
         print(f"\nprofile of rank 0 (one extra, untimed live run) in {args.profile}:")
@@ -390,6 +419,11 @@ def main() -> None:
         "pattern_s": round(r["pattern_s"], 4),
         "p2p_gbps": round(bw / 1e9, 4), "state_bytes": size, "sent_bytes": r["sent"],
         "lower_bound_bytes": r["lower_bound"], "planned_moved_bytes": r["planned_moved"],
+        "plan_s": round(plan_s, 4), "agree_s": round(agree_s, 4),
+        "phases_max_s": {k: round(max(t.get(k, 0.0) for t in phases), 4)
+                         for k in live_phases.ORDER if any(k in t for t in phases)},
+        "plan_agree_share_405b": None if est is None else round(est["plan_agree_share"], 5),
+        "whole_plan_agree_share_405b": None if est is None else round(est["today_plan_agree_share"], 4),
     }))
 
 
