@@ -152,3 +152,26 @@ def estimate_405b(seconds_per_op: float, agree_s: float, bytes_per_s: float) -> 
     today = whole_s + agree_s
     out["today_plan_agree_share"] = today / (today + out["transfer_s"])
     return out
+
+
+def ring_fresh(nbytes: int, repeat: int) -> float:
+    """:func:`bench_common.ring` with a new, untouched receive buffer in every repetition (made
+    before the timer starts): the transfer then faults its pages in, as the live path's new
+    tensors do. Best slowest-process seconds."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from bench_common import p2p_exchange, timed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send = torch.full((nbytes,), rank + 1, dtype=torch.uint8)
+    best = math.inf
+    for _ in range(repeat):
+        recv = torch.empty(nbytes, dtype=torch.uint8)
+        _, s, _ = timed(lambda: p2p_exchange([((rank + 1) % world, send)], [((rank - 1) % world, recv)]))
+        assert recv[-1] == (rank - 1) % world + 1
+        best = min(best, s)
+        del recv
+    return best

@@ -13,7 +13,11 @@ checks that the digests match). Process ``p`` may hold a source rank
   (:mod:`~tenplex.transform.streams`), cut into chunks sized by each
   process's real peers and moved in rounds of batched point-to-point
   operations. Round 0 is in flight while a process copies what it already
-  holds, and round r + 1 is in flight while round r is unpacked.
+  holds, and round r + 1 is in flight while round r is unpacked. A region of
+  at least :data:`DIRECT_MIN` bytes that is contiguous at one end only (a
+  row-parallel slice: strided in its source shard, whole rows of its target)
+  is used in place at that end: sent from the shard, or received into the
+  target tensor, with one copy at the other end instead of two.
 - STORE ops (recovery of regions no survivor holds) are range reads from a
   committed store, in a thread pool started before round 0, so they overlap
   the rounds; FILL ops zero new padding.
@@ -63,7 +67,7 @@ are sent from the source shard and received into the target shard, without buffe
 STORE_THREADS = 4
 """Store reads in flight at once during recovery."""
 
-_STORE = LINK_CODE[Link.STORE]
+_STORE, _LOCAL = LINK_CODE[Link.STORE], LINK_CODE[Link.LOCAL]
 
 
 @dataclass
@@ -196,18 +200,19 @@ def _share_unchanged(ctx: "_Context", local_rows: np.ndarray, mine_in: np.ndarra
     """
     c = ctx.table.cols
     counts = np.bincount(c["path"][mine_in], minlength=len(ctx.table.paths))
-    keep = []
-    for row in local_rows.tolist():
+    alone = ((counts[c["path"][local_rows]] == 1) & (c["kind"][local_rows] != FILL_CODE)
+             & (c["link"][local_rows] == _LOCAL))
+    keep = np.ones(len(local_rows), dtype=bool)
+    for i in np.nonzero(alone)[0].tolist():
+        row = int(local_rows[i])
         op = ctx.op(row)
         target = ctx.out.get(op.path)
-        if counts[int(c["path"][row])] == 1 and op.kind is not OpKind.FILL and op.link is Link.LOCAL:
-            view = ctx.src_view(row)
-            if view.is_contiguous() and view.numel() == target.numel() and view.dtype == target.dtype:
-                ctx.out[op.path] = view.view(target.shape)
-                stats.local += op.nbytes
-                continue
-        keep.append(row)
-    return np.asarray(keep, dtype=np.int64)
+        view = ctx.src_view(row)
+        if view.is_contiguous() and view.numel() == target.numel() and view.dtype == target.dtype:
+            ctx.out[op.path] = view.view(target.shape)
+            stats.local += op.nbytes
+            keep[i] = False
+    return local_rows[keep]
 
 
 def _owners(of: Sequence[int | None], world: int, what: str) -> np.ndarray:
@@ -229,6 +234,7 @@ class _Context:
         self.table = plan.table
         self._held: dict = {}
         self._ops: dict = {}
+        self._views: dict = {}  # (shards, path, piece index) -> the piece's view
 
     def op(self, row: int):
         op = self._ops.get(row)
@@ -254,15 +260,23 @@ class _Context:
         local = Box(tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets)), rel.sizes)
         return is_contiguous(local, piece.view)
 
+    def _view(self, shards, sharding, rank, path, index, region) -> torch.Tensor:
+        piece = self._piece(sharding, rank, path, index)
+        key = (id(shards), path, index)
+        whole = self._views.get(key)
+        if whole is None:
+            whole = self._views[key] = piece_view(shards[path], piece)
+        if region == piece.box:
+            return whole
+        return whole[to_slices(relative(region, piece.box))]
+
     def src_view(self, row: int) -> torch.Tensor:
         op = self.op(row)
-        piece = self._piece(self.S, op.src_rank, op.path, op.src_piece)
-        return piece_view(self.local[op.path], piece)[to_slices(relative(op.region, piece.box))]
+        return self._view(self.local, self.S, op.src_rank, op.path, op.src_piece, op.region)
 
     def dst_view(self, row: int) -> torch.Tensor:
         op = self.op(row)
-        piece = self._piece(self.D, op.dst_rank, op.path, op.dst_piece)
-        return piece_view(self.out[op.path], piece)[to_slices(relative(op.region, piece.box))]
+        return self._view(self.out, self.D, op.dst_rank, op.path, op.dst_piece, op.region)
 
     def local_op(self, row: int, stats: DistStats) -> None:
         op = self.op(row)

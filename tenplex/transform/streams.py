@@ -13,6 +13,9 @@ travels.
 - **Packing** copies each chunk's part of a region straight between the
   (strided) shard view and the chunk buffer, a few boxes at a time
   (:func:`copy_bytes`): no region is ever staged whole, however large.
+- **In place**: a region that is one contiguous run of its shard at one end
+  is sent from, or received into, that shard directly, as a message of its
+  own (:meth:`Stream.messages`); only the other end copies.
 """
 
 from __future__ import annotations
