@@ -99,6 +99,11 @@ def llama405b_tree():
                             layernorm=False, dtype="bfloat16", optimizer="distributed_adam"))
 
 
+LINK_BYTES_PER_S = 50e9
+"""One GPU's network link in Llama 3's training cluster: 400 Gb/s RoCE (Llama Team, "The Llama 3
+Herd of Models", 2024, section 3.3.1), for the share of planning and agreement at that speed."""
+
+
 def estimate_405b(seconds_per_op: float, agree_s: float, bytes_per_s: float) -> dict:
     """Planning and agreement against the whole change for one rank of Llama-3.1-405B.
 
@@ -114,7 +119,10 @@ def estimate_405b(seconds_per_op: float, agree_s: float, bytes_per_s: float) -> 
       measured rate per process (bytes received by the busiest process over its
       executor time).
 
-    Returns the numbers and ``plan_agree_share`` = (plan + agree) / (plan + agree + transfer).
+    Returns the numbers and ``plan_agree_share`` = (plan + agree) / (plan + agree + transfer);
+    ``link_plan_agree_share`` the same with the transfer at :data:`LINK_BYTES_PER_S`.
+    ``agree_s`` is measured with 4 processes: the store-based gathers of
+    :mod:`tenplex.transform.guard` at 16384 processes are not measured.
     """
     import inspect
 
@@ -151,6 +159,8 @@ def estimate_405b(seconds_per_op: float, agree_s: float, bytes_per_s: float) -> 
     out["plan_agree_share"] = fixed / (fixed + out["transfer_s"])
     today = whole_s + agree_s
     out["today_plan_agree_share"] = today / (today + out["transfer_s"])
+    link = out["rank_bytes"] / LINK_BYTES_PER_S
+    out["link_plan_agree_share"] = fixed / (fixed + link)
     return out
 
 

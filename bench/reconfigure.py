@@ -27,6 +27,19 @@ bf16 weights and Adam with ``optimizer="adam"``: fp32 ``exp_avg``, ``exp_avg_sq`
    (bytes per ordered pair of processes, from the plan's op table) replayed as one
    raw message per pair, all at once.
 
+   ``floor_fresh_s``, not used in the ratios either: the same ring into a new, untouched receive
+   buffer each time (the transfer faults its pages in, as the live path's new tensors do).
+
+Where the live time goes (:mod:`live_phases`): the best live run is broken down per process
+into planning, agreement (inputs gather, checks, digest, digest gather), the executor's
+phases (allocate, setup, pack, post, local copies, wait, unpack) and the confirm gather; the
+JSON gives each phase's slowest process (``phases_max_s``), ``plan_s`` and ``agree_s``.
+Then the state of one Llama-3.1-405B rank (dp 64 -> 128 at tp 8, pp 16) is planned whole once
+(``--no-405b`` skips it) and planning plus agreement are set against that rank's transfer:
+its plan rows times the planning cost per row measured here, the agreement measured here, its
+bytes over the live path's measured rate (``plan_agree_share_405b``, goal < 5%), and over a
+50 GB/s link (``link_plan_agree_share_405b``).
+
 A warm-up at a small size (a tiny tree: reconfigure, DCP save/load, p2p) runs first, so
 that connection set-up and first-call costs are not timed. With ``--repeat N`` each
 path runs N times and the best counts.
@@ -398,7 +411,9 @@ def main() -> None:
               f"transfer {est['transfer_s']:.2f} s: plan + agree = {100 * est['plan_agree_share']:.2f}% "
               f"of the change (goal < 5%); planning the whole world on every rank "
               f"({est['whole_plan_s']:.2f} s, {est['whole_plan_rows']} rows) would make it "
-              f"{100 * est['today_plan_agree_share']:.1f}%")
+              f"{100 * est['today_plan_agree_share']:.1f}%; with the transfer at "
+              f"{live_phases.LINK_BYTES_PER_S / 1e9:g} GB/s (a GPU's link in Llama 3's cluster): "
+              f"{100 * est['link_plan_agree_share']:.1f}%")
 
     if args.profile:
         import pstats
@@ -425,6 +440,7 @@ def main() -> None:
                          for k in live_phases.ORDER if any(k in t for t in phases)},
         "plan_agree_share_405b": None if est is None else round(est["plan_agree_share"], 5),
         "whole_plan_agree_share_405b": None if est is None else round(est["today_plan_agree_share"], 4),
+        "link_plan_agree_share_405b": None if est is None else round(est["link_plan_agree_share"], 4),
     }))
 
 
