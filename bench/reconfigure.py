@@ -27,6 +27,21 @@ bf16 weights and Adam with ``optimizer="adam"``: fp32 ``exp_avg``, ``exp_avg_sq`
    (bytes per ordered pair of processes, from the plan's op table) replayed as one
    raw message per pair, all at once.
 
+   The ring also runs once right after each live run (all runs count, the best is used),
+   so that load on a shared machine hits both alike.
+   ``floor_fresh_s``, not used in the ratios either: the same ring into a new, untouched receive
+   buffer each time (the transfer faults its pages in, as the live path's new tensors do).
+
+Where the live time goes (:mod:`live_phases`): the best live run is broken down per process
+into planning, agreement (inputs gather, checks, digest, digest gather), the executor's
+phases (allocate, setup, pack, post, local copies, wait, unpack) and the confirm gather; the
+JSON gives each phase's slowest process (``phases_max_s``), ``plan_s`` and ``agree_s``.
+Then the state of one Llama-3.1-405B rank (dp 64 -> 128 at tp 8, pp 16) is planned whole once
+(``--no-405b`` skips it) and planning plus agreement are set against that rank's transfer:
+its plan rows times the planning cost per row measured here, the agreement measured here, its
+bytes over the live path's measured rate (``plan_agree_share_405b``, goal < 5%), and over a
+50 GB/s link (``link_plan_agree_share_405b``).
+
 A warm-up at a small size (a tiny tree: reconfigure, DCP save/load, p2p) runs first, so
 that connection set-up and first-call costs are not timed. With ``--repeat N`` each
 path runs N times and the best counts.
@@ -68,6 +83,7 @@ import socket
 import tempfile
 import time
 
+import live_phases
 from bench_common import (check_plain_sharding, free_port, logical_bytes, make_spec,
                           pattern, phase_table, profile_path, ring, slowest, timed)
 
@@ -205,6 +221,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
     from tenplex.ptree.shards import materialize
 
     torch.set_num_threads(1)
+    phase_times = live_phases.instrument()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=900))
@@ -231,21 +248,28 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         _say(rank, f"state made in {time.perf_counter() - t0:.1f} s")
 
         # 1. live reconfiguration
-        live, rep, leaves = math.inf, None, 0
+        live, rep, leaves, near, near_fresh = math.inf, None, 0, [], []
         for i in range(repeat):
+            phase_times.clear()
             (out, r), s, cpu = timed(lambda: tenplex.reconfigure(local, tree, src, dst,
                                                                  memory_budget=budget))
+            run_phases = live_phases.finish(phase_times)
             if i == 0 and expected is not None:
                 leaves = _check(out, expected)
             del out
             gc.collect()
             if s < live:
-                live, rep, live_cpu = s, r, cpu
-            _say(rank, f"live run {i + 1}/{repeat}: {s:.3f} s (report.seconds {r.seconds:.3f})")
+                live, rep, live_cpu, best_phases = s, r, cpu, run_phases
+            # the floor right after each live run too, so that both see the same load
+            near.append(ring(max(1, r.lower_bound // WORLD), 1))
+            near_fresh.append(live_phases.ring_fresh(max(1, r.lower_bound // WORLD), 1))
+            _say(rank, f"live run {i + 1}/{repeat}: {s:.3f} s (report.seconds {r.seconds:.3f}); "
+                       f"ring right after: {near[-1][0]:.3f} s")
 
-        # 3. floor: the same bytes over gloo p2p
+        # 3. floor: the same bytes over gloo p2p (the best of the runs above and these)
         bound = rep.lower_bound
-        ring_s, ring_cpu = ring(max(1, bound // WORLD), repeat + 1)
+        ring_s, ring_cpu = min([ring(max(1, bound // WORLD), repeat + 1)] + near)
+        fresh_s = min([live_phases.ring_fresh(max(1, bound // WORLD), repeat + 1)] + near_fresh)
         matrix = _pair_matrix(tree, src, dst)
         pattern_s = pattern(matrix, repeat + 1)
         ring_bytes = max(1, bound // WORLD) * WORLD
@@ -270,13 +294,15 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
             dist.barrier()
             prof.enable()
             t0 = time.perf_counter()
-            tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
+            out, _ = tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
             t1 = time.perf_counter() - t0
             prof.disable()
             prof.dump_stats(profile_path(profile, rank))
             _say(rank, f"profiled run (every rank under cProfile): {slowest(t1):.3f} s")
             del out
 
+        per_rank = [None] * WORLD
+        dist.all_gather_object(per_rank, best_phases)
         counts = torch.tensor([leaves, dcp_leaves], dtype=torch.int64)
         dist.all_reduce(counts)
         checked = counts.tolist()
@@ -285,12 +311,12 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
                 json.dump({"live_s": live, "report_seconds": rep.seconds, "sent": rep.sent,
                            "local": rep.local, "planned_moved": rep.planned_moved,
                            "peak_buffer": rep.peak_buffer, "rounds": rep.rounds,
-                           "lower_bound": rep.lower_bound, "ring_s": ring_s, "ring_bytes": ring_bytes,
+                           "lower_bound": rep.lower_bound, "ring_s": ring_s, "fresh_s": fresh_s, "ring_bytes": ring_bytes,
                            "pattern_s": pattern_s, "pattern_bytes": int(sum(map(sum, matrix))),
                            "matrix": matrix, "dcp_s": dcp_best, "dcp_save_s": save_best,
                            "dcp_load_s": load_best, "live_cpu_s": live_cpu,
                            "dcp_cpu_s": dcp_cpu, "ring_cpu_s": ring_cpu, "live_leaves_checked": checked[0],
-                           "dcp_leaves_checked": checked[1]}, f)
+                           "dcp_leaves_checked": checked[1], "phases": per_rank}, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -306,6 +332,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per path; the best counts")
     parser.add_argument("--src", default="dp=2,tp=2,pp=1")
     parser.add_argument("--dst", default="dp=1,tp=4,pp=1")
+    parser.add_argument("--no-405b", action="store_true",
+                        help="skip the estimate at the size of a Llama-3.1-405B rank (plans it whole, ~1 GB)")
     parser.add_argument("--profile", default="", help="cProfile one extra live run of rank 0 to FILE")
     args = parser.parse_args()
 
@@ -363,12 +391,35 @@ def main() -> None:
     print(f"{'DCP':<8} {r['dcp_s']:>8.3f} {r['dcp_cpu_s']:>7.3f}  "
           f"(save {r['dcp_save_s']:.3f} + load {r['dcp_load_s']:.3f})")
     print(f"{'floor':<8} {floor:>8.3f} {r['ring_cpu_s']:>7.3f}  (lower bound / ring bandwidth; "
-          f"raw plan pattern {r['pattern_s']:.3f})")
+          f"raw plan pattern {r['pattern_s']:.3f}; ring into untouched buffers {r['fresh_s']:.3f})")
     goals = [("live_over_dcp", live_over_dcp, "<= 0.25", live_over_dcp <= 0.25),
              ("live_over_floor", live_over_floor, "<= 1.3", live_over_floor <= 1.3),
              ("moved_over_lower_bound", moved, "== 1", r["sent"] == r["lower_bound"])]
     for name, value, goal, met in goals:
         print(f"{name:<24} {value:>7.3f}  goal {goal:<8} {'met' if met else 'NOT met'}")
+
+    phases = r["phases"]
+    print(f"\nwhere the best live run's time went, per process (seconds; gathers include waiting "
+          f"for the other processes):\n{live_phases.table(phases)}")
+    plan_s = max(t.get("plan", 0.0) for t in phases)
+    agree_s = max(sum(t.get(k, 0.0) for k in live_phases.AGREE) for t in phases)
+    busiest = max(phases, key=lambda t: t.get("received bytes", 0))
+    rate = busiest.get("received bytes", 0) / busiest.get("executor", 1.0)
+    per_op = max(t.get("plan", 0.0) / max(1, t.get("plan rows", 1)) for t in phases)
+    print(f"plan {plan_s:.4f} s ({per_op * 1e6:.1f} us per row), agree {agree_s:.4f} s, busiest "
+          f"process received {busiest.get('received bytes', 0) / 1e6:.1f} MB at {rate / 1e9:.2f} GB/s")
+    est = None
+    if not args.no_405b:
+        est = live_phases.estimate_405b(per_op, agree_s, rate)
+        print(f"at one Llama-3.1-405B rank (dp=64 -> 128, tp 8, pp 16; rank {est['rank']} receives "
+              f"{est['rank_bytes'] / 1e9:.2f} GB, {est['rank_rows']} plan rows): plan "
+              f"{est['plan_s'] * 1e3:.1f} ms ({est['plan_how']}), agree {est['agree_s'] * 1e3:.1f} ms, "
+              f"transfer {est['transfer_s']:.2f} s: plan + agree = {100 * est['plan_agree_share']:.2f}% "
+              f"of the change (goal < 5%); planning the whole world on every rank "
+              f"({est['whole_plan_s']:.2f} s, {est['whole_plan_rows']} rows) would make it "
+              f"{100 * est['today_plan_agree_share']:.1f}%; with the transfer at "
+              f"{live_phases.LINK_BYTES_PER_S / 1e9:g} GB/s (a GPU's link in Llama 3's cluster): "
+              f"{100 * est['link_plan_agree_share']:.1f}%")
 
     if args.profile:
         import pstats
@@ -387,9 +438,15 @@ def main() -> None:
         "dcp_save_s": round(r["dcp_save_s"], 4), "dcp_load_s": round(r["dcp_load_s"], 4),
         "floor_s": round(floor, 4), "live_cpu_s": round(r["live_cpu_s"], 4),
         "dcp_cpu_s": round(r["dcp_cpu_s"], 4), "floor_cpu_s": round(r["ring_cpu_s"], 4),
-        "pattern_s": round(r["pattern_s"], 4),
+        "pattern_s": round(r["pattern_s"], 4), "floor_fresh_s": round(r["fresh_s"], 4),
         "p2p_gbps": round(bw / 1e9, 4), "state_bytes": size, "sent_bytes": r["sent"],
         "lower_bound_bytes": r["lower_bound"], "planned_moved_bytes": r["planned_moved"],
+        "plan_s": round(plan_s, 4), "agree_s": round(agree_s, 4),
+        "phases_max_s": {k: round(max(t.get(k, 0.0) for t in phases), 4)
+                         for k in live_phases.ORDER if any(k in t for t in phases)},
+        "plan_agree_share_405b": None if est is None else round(est["plan_agree_share"], 5),
+        "whole_plan_agree_share_405b": None if est is None else round(est["today_plan_agree_share"], 4),
+        "link_plan_agree_share_405b": None if est is None else round(est["link_plan_agree_share"], 4),
     }))
 
 

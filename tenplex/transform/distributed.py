@@ -13,7 +13,11 @@ checks that the digests match). Process ``p`` may hold a source rank
   (:mod:`~tenplex.transform.streams`), cut into chunks sized by each
   process's real peers and moved in rounds of batched point-to-point
   operations. Round 0 is in flight while a process copies what it already
-  holds, and round r + 1 is in flight while round r is unpacked.
+  holds, and round r + 1 is in flight while round r is unpacked. A region of
+  at least :data:`DIRECT_MIN` bytes that is contiguous at one end only (a
+  row-parallel slice: strided in its source shard, whole rows of its target)
+  is used in place at that end: sent from the shard, or received into the
+  target tensor, with one copy at the other end instead of two.
 - STORE ops (recovery of regions no survivor holds) are range reads from a
   committed store, in a thread pool started before round 0, so they overlap
   the rounds; FILL ops zero new padding.
@@ -31,6 +35,8 @@ so a failure anywhere surfaces here as a TransferError within its bounds.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,7 +67,7 @@ are sent from the source shard and received into the target shard, without buffe
 STORE_THREADS = 4
 """Store reads in flight at once during recovery."""
 
-_STORE = LINK_CODE[Link.STORE]
+_STORE, _LOCAL = LINK_CODE[Link.STORE], LINK_CODE[Link.LOCAL]
 
 
 @dataclass
@@ -69,7 +75,9 @@ class DistStats:
     """What one process moved, in bytes: ``sent``, ``received``, ``local`` copies,
     ``store`` reads, ``filled`` padding; ``rounds`` of exchange; ``peak_buffer``
     bytes of transfer buffers held at once (chunks and store reads); ``peers``
-    it exchanged with; ``chunk`` the largest chunk size it used."""
+    it exchanged with; ``chunk`` the largest chunk size it used; ``times`` seconds spent per
+    phase (``allocate``, ``setup``: row classes and views, ``pack``, ``post``, ``local``:
+    copies within the process, ``wait``: blocked on transfers, ``unpack``, ``store``)."""
 
     sent: int = 0
     received: int = 0
@@ -80,6 +88,7 @@ class DistStats:
     peak_buffer: int = 0
     chunk: int = 0
     peers: list[int] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)
 
 
 def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, comm: Comm,
@@ -122,14 +131,16 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
             return execute_distributed(plan, tree, local, comm, src_of, dst_of,
                                        memory_budget=memory_budget, store_read=store_read,
                                        device=device, guard=own)
-    me = comm.rank
+    me, stats = comm.rank, DistStats()
+    clock = _Clock(stats.times)
     proc_src = _owners(src_of, plan.src.world_size, "source")
     proc_dst = _owners(dst_of, plan.dst.world_size, "target")
     my_dst = dst_of[me]
-    out = allocate(tree, plan.dst_sharding(tree), my_dst) if my_dst is not None else None
-    if out is not None and torch.device(device).type != "cpu":
-        out = {k: v.to(device) for k, v in out.items()}
-    stats = DistStats()
+    with clock("allocate"):
+        out = allocate(tree, plan.dst_sharding(tree), my_dst) if my_dst is not None else None
+        if out is not None and torch.device(device).type != "cpu":
+            out = {k: v.to(device) for k, v in out.items()}
+    t_setup = time.perf_counter()
     c = plan.table.cols
     n = len(c["dst"])
     src_proc = np.where(c["src"] >= 0, proc_src[np.maximum(c["src"], 0)], -1)
@@ -160,6 +171,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
     buffers = Buffers()
     reads = _StoreReads(ctx, store_rows, store_read, memory_budget - int(p2p_budget[me]), buffers)
     pending = guard.pending  # posted exchanges not yet waited for: the guard aborts them on failure
+    stats.times["setup"] = time.perf_counter() - t_setup
     try:
         reads.start()
 
@@ -170,7 +182,8 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
 
         _exchange(ctx, comm, guard, sends, recvs, shares, buffers, stats, device, meanwhile, pending)
         guard.phase("store read")
-        stats.store = reads.finish()
+        with clock("store"):
+            stats.store = reads.finish()
     finally:
         reads.close()
     stats.peak_buffer = buffers.peak
@@ -187,18 +200,19 @@ def _share_unchanged(ctx: "_Context", local_rows: np.ndarray, mine_in: np.ndarra
     """
     c = ctx.table.cols
     counts = np.bincount(c["path"][mine_in], minlength=len(ctx.table.paths))
-    keep = []
-    for row in local_rows.tolist():
+    alone = ((counts[c["path"][local_rows]] == 1) & (c["kind"][local_rows] != FILL_CODE)
+             & (c["link"][local_rows] == _LOCAL))
+    keep = np.ones(len(local_rows), dtype=bool)
+    for i in np.nonzero(alone)[0].tolist():
+        row = int(local_rows[i])
         op = ctx.op(row)
         target = ctx.out.get(op.path)
-        if counts[int(c["path"][row])] == 1 and op.kind is not OpKind.FILL and op.link is Link.LOCAL:
-            view = ctx.src_view(row)
-            if view.is_contiguous() and view.numel() == target.numel() and view.dtype == target.dtype:
-                ctx.out[op.path] = view.view(target.shape)
-                stats.local += op.nbytes
-                continue
-        keep.append(row)
-    return np.asarray(keep, dtype=np.int64)
+        view = ctx.src_view(row)
+        if view.is_contiguous() and view.numel() == target.numel() and view.dtype == target.dtype:
+            ctx.out[op.path] = view.view(target.shape)
+            stats.local += op.nbytes
+            keep[i] = False
+    return local_rows[keep]
 
 
 def _owners(of: Sequence[int | None], world: int, what: str) -> np.ndarray:
@@ -220,6 +234,7 @@ class _Context:
         self.table = plan.table
         self._held: dict = {}
         self._ops: dict = {}
+        self._views: dict = {}  # (shards, path, piece index) -> the piece's view
 
     def op(self, row: int):
         op = self._ops.get(row)
@@ -234,26 +249,34 @@ class _Context:
             held = self._held[key] = sharding.holding(path, sharding.config.coord(rank))
         return held.pieces[index]
 
-    def contiguous(self, row: int) -> bool:
-        """Whether the row's region is one run in both its source and its target shard (geometry only)."""
+    def contiguous(self, row: int, src: bool) -> bool:
+        """Whether the row's region is one run of its source (or target) shard (geometry only:
+        every process can tell for every row)."""
         op = self.op(row)
-        for sharding, rank, index in ((self.S, op.src_rank, op.src_piece), (self.D, op.dst_rank, op.dst_piece)):
-            piece = self._piece(sharding, rank, op.path, index)
-            rel = relative(op.region, piece.box)
-            local = Box(tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets)), rel.sizes)
-            if not is_contiguous(local, piece.view):
-                return False
-        return True
+        sharding, rank, index = (self.S, op.src_rank, op.src_piece) if src else \
+            (self.D, op.dst_rank, op.dst_piece)
+        piece = self._piece(sharding, rank, op.path, index)
+        rel = relative(op.region, piece.box)
+        local = Box(tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets)), rel.sizes)
+        return is_contiguous(local, piece.view)
+
+    def _view(self, shards, sharding, rank, path, index, region) -> torch.Tensor:
+        piece = self._piece(sharding, rank, path, index)
+        key = (id(shards), path, index)
+        whole = self._views.get(key)
+        if whole is None:
+            whole = self._views[key] = piece_view(shards[path], piece)
+        if region == piece.box:
+            return whole
+        return whole[to_slices(relative(region, piece.box))]
 
     def src_view(self, row: int) -> torch.Tensor:
         op = self.op(row)
-        piece = self._piece(self.S, op.src_rank, op.path, op.src_piece)
-        return piece_view(self.local[op.path], piece)[to_slices(relative(op.region, piece.box))]
+        return self._view(self.local, self.S, op.src_rank, op.path, op.src_piece, op.region)
 
     def dst_view(self, row: int) -> torch.Tensor:
         op = self.op(row)
-        piece = self._piece(self.D, op.dst_rank, op.path, op.dst_piece)
-        return piece_view(self.out[op.path], piece)[to_slices(relative(op.region, piece.box))]
+        return self._view(self.out, self.D, op.dst_rank, op.path, op.dst_piece, op.region)
 
     def local_op(self, row: int, stats: DistStats) -> None:
         op = self.op(row)
@@ -314,16 +337,49 @@ class _StoreReads:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _direct(ctx: _Context, rows: list[int], nbytes: np.ndarray) -> tuple[list[int], list[int]]:
-    """Split rows into direct ones (large, contiguous at both ends) and packed ones, in plan order."""
-    direct, packed = [], []
+def _classify(ctx: _Context, rows: list[int], nbytes: np.ndarray, at_src: bool):
+    """Split one pair's rows: direct ones (large, contiguous at both ends) and the stream's rows,
+    in plan order, with the stream rows' in-place flags at this end and at the other end.
+
+    ``at_src``: this end is the sender. Only rows of at least :data:`DIRECT_MIN`
+    bytes are ever in place (smaller ones are cheaper packed together).
+    """
+    direct, packed, here, there = [], [], [], []
     for row in rows:
-        (direct if nbytes[row] >= DIRECT_MIN and ctx.contiguous(row) else packed).append(row)
-    return direct, packed
+        if nbytes[row] >= DIRECT_MIN:
+            s, d = ctx.contiguous(row, src=True), ctx.contiguous(row, src=False)
+        else:
+            s = d = False
+        if s and d:
+            direct.append(row)
+            continue
+        packed.append(row)
+        here.append(s if at_src else d)
+        there.append(d if at_src else s)
+    return direct, packed, here, there
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+    """The bytes of the contiguous ``t`` as a 1-D uint8 view (never a copy)."""
+    if not t.is_contiguous():
+        raise PlanError(f"a region of shape {list(t.shape)} was expected to be contiguous, found strided")
+    t = t.reshape(-1)
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+class _Clock:
+    """Seconds spent per phase of this process (``DistStats.times``)."""
+
+    def __init__(self, times: dict):
+        self.times = times
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
 def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, shares: np.ndarray,
@@ -331,20 +387,22 @@ def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, sha
     """Move every pair's bytes: direct regions at once, the rest as chunked streams in rounds.
 
     Round r + 1 is in flight while round r unpacks. Each stream has two
-    chunk buffers, allocated once and used by even and odd rounds in turn
-    (round r + 2 reuses round r's once it is unpacked). ``pending`` holds the
+    chunk buffers, allocated when first needed and used by even and odd
+    rounds in turn (round r + 2 reuses round r's once it is unpacked); a
+    message in place at one end uses no buffer there. ``pending`` holds the
     posted exchanges not yet waited for (the guard aborts them on failure).
     """
-    me, nbytes = comm.rank, ctx.table.cols["nbytes"]
+    me, nbytes, clock = comm.rank, ctx.table.cols["nbytes"], _Clock(stats.times)
     direct_out, direct_in, out_streams, in_streams = [], [], {}, {}
-    for p, rows in sends.items():
-        direct, packed = _direct(ctx, rows, nbytes)
-        direct_out += [(p, ctx.src_view(r)) for r in direct]
-        out_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.src_view)
-    for p, rows in recvs.items():
-        direct, packed = _direct(ctx, rows, nbytes)
-        direct_in += [(p, ctx.dst_view(r)) for r in direct]
-        in_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.dst_view)
+    with clock("setup"):
+        for p, rows in sends.items():
+            direct, packed, here, there = _classify(ctx, rows, nbytes, at_src=True)
+            direct_out += [(p, ctx.src_view(r)) for r in direct]
+            out_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.src_view, here, there)
+        for p, rows in recvs.items():
+            direct, packed, here, there = _classify(ctx, rows, nbytes, at_src=False)
+            direct_in += [(p, ctx.dst_view(r)) for r in direct]
+            in_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.dst_view, here, there)
     streams = list(out_streams.values()) + list(in_streams.values())
     rounds = max([s.chunks for s in streams] + [0])
     stats.chunk = max([s.chunk for s in streams if s.chunks] + [0])
@@ -356,44 +414,62 @@ def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, sha
         if buf is None:
             buf = slots[(key, r % 2)] = torch.empty(s.chunk, dtype=torch.uint8, device=device)
             buffers.take(s.chunk)
-        return buf[: s.chunk_size(r)]
+        return buf
 
     def post(r):
-        send_bufs, recv_bufs = [], []
-        for p, s in out_streams.items():
+        send_bufs, recv_bufs, unpacks = [], [], []
+        with clock("pack"):
+            for p, s in out_streams.items():
+                if r < s.chunks:
+                    for at, n, spans, in_place in s.messages(r):
+                        if in_place:
+                            send_bufs.append((p, s.in_place(spans[0])))
+                        else:
+                            buf = buffer(("out", p), s, r)[at: at + n]
+                            s.pack(r, buf, [(i, x, y, a - at) for i, x, y, a in spans])
+                            send_bufs.append((p, buf))
+        for p, s in in_streams.items():
             if r < s.chunks:
-                buf = buffer(("out", p), s, r)
-                s.pack(r, buf)
-                send_bufs.append((p, buf))
-        recv_bufs = [(p, buffer(("in", p), s, r)) for p, s in in_streams.items() if r < s.chunks]
+                for at, n, spans, in_place in s.messages(r):
+                    if in_place:
+                        recv_bufs.append((p, s.in_place(spans[0])))
+                    else:
+                        buf = buffer(("in", p), s, r)[at: at + n]
+                        recv_bufs.append((p, buf))
+                        unpacks.append((s, buf, [(i, x, y, a - at) for i, x, y, a in spans]))
         stats.sent += sum(b.numel() for _, b in send_bufs)
         stats.received += sum(b.numel() for _, b in recv_bufs)
-        pending.append(comm.start(send_bufs, recv_bufs))
-        return send_bufs, recv_bufs, pending[-1]
+        with clock("post"):
+            pending.append(comm.start(send_bufs, recv_bufs))
+        return unpacks, pending[-1]
 
     def wait(w) -> None:
-        guard.wait(w)
+        with clock("wait"):
+            guard.wait(w)
         pending.remove(w)
 
     direct_wait = None
     if direct_out or direct_in:  # zero-copy: views of the source shards and the target tensors
-        direct_wait = comm.start([(p, _flat(t)) for p, t in direct_out],
-                                 [(p, _flat(t)) for p, t in direct_in])
+        with clock("post"):
+            direct_wait = comm.start([(p, _flat(t)) for p, t in direct_out],
+                                     [(p, _flat(t)) for p, t in direct_in])
         pending.append(direct_wait)
         stats.sent += sum(t.numel() * t.element_size() for _, t in direct_out)
         stats.received += sum(t.numel() * t.element_size() for _, t in direct_in)
     current = post(0) if rounds else None
     guard.phase("first round")
-    meanwhile()
+    with clock("local"):
+        meanwhile()
     for r in range(rounds):
         if r == rounds // 2 and rounds >= 2:
             guard.phase("middle round")
         guard.phase_name = f"round {r + 1} of {rounds}"
-        send_bufs, recv_bufs, w = current
+        unpacks, w = current
         wait(w)
         current = post(r + 1) if r + 1 < rounds else None
-        for p, buf in recv_bufs:
-            in_streams[p].unpack(r, buf)
+        with clock("unpack"):
+            for s, buf, spans in unpacks:
+                s.unpack(r, buf, spans)
         stats.rounds += 1
     if direct_wait is not None:
         guard.phase_name = "direct transfers"

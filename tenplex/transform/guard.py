@@ -14,9 +14,14 @@ collectives, so no wait outlasts what it states:
   :class:`PlanError` about mismatched arguments, a :class:`ShardError` about
   a local state, a :class:`MissingDataError` from planning: raised inside
   :meth:`TransferGuard.agreeing`) keep their types.
-- **Waiting.** Gathers go through the store and poll it (every 1 to 50 ms);
-  rounds of point-to-point transfers are waited on by a helper thread while
-  the caller watches for a published failure every 50 ms.
+- **Waiting.** Gathers go through the store: the last process to arrive
+  sets a key, and the others block on it (``Store.wait``, on a second
+  connection to the store, so the heartbeat thread keeps its own), so a
+  gather ends as soon as the last process arrives; a published failure
+  sets the same keys. A store that cannot open a second connection is
+  polled (every 1 to 50 ms). Rounds of point-to-point transfers are waited
+  on by a helper thread while the caller watches for a published failure
+  every 50 ms.
 - **Heartbeats.** Every process bumps a counter every ``beat`` seconds
   (``timeout / 8``, between 50 ms and 1 s) and watches the next process's
   (a ring, so the store serves O(processes) requests per beat). A process
@@ -38,6 +43,7 @@ transfer succeeds.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import queue
 import threading
 import time
@@ -110,6 +116,7 @@ class TransferGuard:
         self._beats = threading.Thread(target=self._heartbeat, name="tenplex-heartbeat", daemon=True)
         self._beats.start()
         self._waiter = _Waiter()
+        self._wait_store = None  # a second connection for blocking waits, opened at the first gather
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -138,6 +145,7 @@ class TransferGuard:
         self._stop.set()
         self._beats.join()
         self._waiter.close()
+        self._wait_store = None
         try:
             self.store.add("left", 1)
         except Exception:  # the store is gone already: nothing to keep up
@@ -197,6 +205,7 @@ class TransferGuard:
                 s.set(f"{name}/done", b"1")
         delay, start = 0.001, time.monotonic()
         while True:
+            self._block(f"{name}/done", start)
             with self._store_op():
                 if s.check([f"{name}/done"]):  # set by the last arrival, or by a failure
                     if s.add(f"{name}/count", 0) < n:
@@ -205,10 +214,34 @@ class TransferGuard:
             if self._abort.is_set():
                 raise self._learned()
             if time.monotonic() - start > self.hang:
-                raise self._fail(f"{self.what}: {self.label} waited {self.hang:g} s in phase "
-                                 f"{self.phase_name!r} for the other processes; one is hung")
+                raise self._hung()
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
+
+    def _hung(self) -> TransferError:
+        return self._fail(f"{self.what}: {self.label} waited {self.hang:g} s in phase "
+                          f"{self.phase_name!r} for the other processes; one is hung")
+
+    def _block(self, key: str, start: float) -> None:
+        """Block until ``key`` is set (or ``self.hang`` seconds after ``start``), on a second
+        connection to the store: a TCPStore client runs one request at a time, and the
+        heartbeat thread must not wait behind this one. Returns at once, leaving the caller
+        to poll, where the store cannot open a second connection."""
+        if self._wait_store is None:
+            try:
+                self._wait_store = self.store.clone()
+            except Exception:  # a store without clone(): poll
+                self._wait_store = False
+        if self._wait_store is False:
+            return
+        left = self.hang - (time.monotonic() - start)
+        try:
+            self._wait_store.wait([key], datetime.timedelta(seconds=max(0.001, left)))
+        except Exception as exc:
+            if time.monotonic() - start >= self.hang:
+                raise self._hung() from exc
+            with self._store_op():  # the store is gone: the one message every process raises
+                raise exc
 
     def wait(self, wait: Callable[[], None]) -> None:
         """Run ``wait`` (a posted exchange's ``wait()``) on the helper thread; return when it is done.
@@ -284,6 +317,8 @@ class TransferGuard:
                 if self.store.check(["error"]):
                     self._message = self.store.get("error").decode(errors="replace")
                     self._abort.set()
+                    for name in GATHERS:  # the publisher sets them too, unless it died first
+                        self.store.set(f"{name}/done", b"1")
                     return
                 value = self.store.add(f"hb/{watched}", 0)
             except Exception as exc:  # the store is gone: every wait fails with the same message

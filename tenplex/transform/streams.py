@@ -13,6 +13,9 @@ travels.
 - **Packing** copies each chunk's part of a region straight between the
   (strided) shard view and the chunk buffer, a few boxes at a time
   (:func:`copy_bytes`): no region is ever staged whole, however large.
+- **In place**: a region that is one contiguous run of its shard at one end
+  is sent from, or received into, that shard directly, as a message of its
+  own (:meth:`Stream.messages`); only the other end copies.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tenplex.errors import PlanError
 from tenplex.ptree.region import decompose_flat, to_slices, volume
 
 __all__ = ["ALIGN", "MIN_CHUNK", "Buffers", "Stream", "chunk_shares", "as_bytes", "copy_bytes"]
@@ -107,20 +111,32 @@ def copy_bytes(region: torch.Tensor, start: int, stop: int, flat: torch.Tensor, 
 class Stream:
     """One ordered pair's byte stream: its rows' region bytes, in plan order, cut into chunks.
 
+    A row may be *in place* at either end: its region is one contiguous run
+    of that end's shard, so that end sends from it, or receives into it,
+    without a buffer. A chunk's part of such a row is a message of its own;
+    the other parts of a chunk go, consecutive ones together, through the
+    chunk buffers of both ends. Both ends derive the same messages from the
+    plan alone (the flags of both ends are geometry), so no metadata travels.
+
     Args:
         rows: plan rows, in plan order.
         nbytes: ``[all rows]`` bytes per row.
         chunk: chunk size in bytes (the same at both ends).
         view: ``view(row) -> tensor``, the row's region at this end.
+        here, there: ``[len(rows)]`` bool, whether a row is in place at this
+            end, and at the other end (default: nowhere).
     """
 
     def __init__(self, rows: list[int], nbytes: np.ndarray, chunk: int,
-                 view: Callable[[int], torch.Tensor]):
+                 view: Callable[[int], torch.Tensor], here=None, there=None):
         self.rows, self.view = rows, view
         self.starts = np.concatenate(([0], np.cumsum(nbytes[rows]))).astype(np.int64)
         self.total = int(self.starts[-1])
         self.chunk = int(chunk)
         self.chunks = -(-self.total // self.chunk) if self.total else 0
+        none = np.zeros(len(rows), dtype=bool)
+        self.here = none if here is None else np.asarray(here, dtype=bool)
+        self.there = none if there is None else np.asarray(there, dtype=bool)
 
     def chunk_size(self, r: int) -> int:
         return min(self.chunk, self.total - r * self.chunk)
@@ -135,12 +151,43 @@ class Stream:
                 yield i, max(a, lo) - lo, min(b, hi) - lo, max(a, lo) - a
             i += 1
 
-    def pack(self, r: int, buf: torch.Tensor) -> None:
-        """Fill ``buf`` (``chunk_size(r)`` uint8) with chunk ``r``'s bytes."""
-        for i, x, y, at in self._span(r):
+    def messages(self, r: int) -> list[tuple[int, int, list, bool]]:
+        """Chunk ``r``'s messages, in order: ``(buffer offset, bytes, spans, in place here)``.
+
+        A span of a row in place at either end is one message; consecutive
+        other spans form one. ``spans`` are :meth:`_span`'s tuples.
+        """
+        out: list = []
+        for span in self._span(r):
+            i, x, y, at = span
+            alone = bool(self.here[i] or self.there[i])
+            if alone or not out or out[-1][3] is not None:
+                out.append([at, y - x, [span], bool(self.here[i]) if alone else None])
+            else:
+                out[-1][1] += y - x
+                out[-1][2].append(span)
+        return [(at, n, spans, bool(flag)) for at, n, spans, flag in out]
+
+    def in_place(self, span) -> torch.Tensor:
+        """The 1-D uint8 view of a span of a row in place at this end (never a copy).
+
+        Raises:
+            PlanError: the row's region is not contiguous here after all.
+        """
+        i, x, y, _ = span
+        region = self.view(self.rows[i])
+        if not region.is_contiguous():
+            raise PlanError(f"plan row {self.rows[i]}: region of shape {list(region.shape)} "
+                            "was expected to be contiguous in its shard, found strided")
+        flat = region.reshape(-1)
+        return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8))[x:y]
+
+    def pack(self, r: int, buf: torch.Tensor, spans=None) -> None:
+        """Fill ``buf`` (``chunk_size(r)`` uint8) with chunk ``r``'s bytes (or only ``spans``' bytes)."""
+        for i, x, y, at in self._span(r) if spans is None else spans:
             copy_bytes(self.view(self.rows[i]), x, y, buf[at: at + (y - x)], to_flat=True)
 
-    def unpack(self, r: int, buf: torch.Tensor) -> None:
-        """Write chunk ``r``'s bytes from ``buf`` into the target regions."""
-        for i, x, y, at in self._span(r):
+    def unpack(self, r: int, buf: torch.Tensor, spans=None) -> None:
+        """Write chunk ``r``'s bytes (or only ``spans``' bytes) from ``buf`` into the target regions."""
+        for i, x, y, at in self._span(r) if spans is None else spans:
             copy_bytes(self.view(self.rows[i]), x, y, buf[at: at + (y - x)], to_flat=False)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tenplex.errors import TransferError
 from tenplex.ptree import ParallelConfig as P
-from tenplex.ptree.layout import Layout, Stage
+from tenplex.ptree.layout import Layout, Split, Stage
 from tenplex.ptree.tree import PTree, TensorLeaf
 from tenplex.transform import make_plan
 from tenplex.transform.comm import Comm, LocalComm
@@ -219,3 +219,53 @@ def test_execute_distributed_chunks_follow_the_plans_peers_at_64_processes():
     execute_distributed(plan, tree, local, comm, src_of, dst_of, memory_budget=budget)
     assert sum(comm.sizes) == 40 * 200_000
     assert max(comm.sizes) == budget // 2         # not budget / (4 * 63) -> 64 KiB
+
+
+# -- regions contiguous at one end only are used in place there ----------------------------
+
+class Recorder(Comm):
+    """One process of a two-process group: keeps what it sends, fills its receives in order
+    from ``incoming`` (gloo matches a pair's messages in order; sizes must be equal)."""
+
+    def __init__(self, rank, incoming=()):
+        self.rank, self.size, self.sent, self.received = rank, 2, [], []
+        self.incoming = list(incoming)
+
+    def start(self, sends, recvs):
+        self.sent += [t for _, t in sends]
+        for _, t in recvs:
+            data = self.incoming.pop(0)
+            assert data.numel() == t.numel(), "message sizes differ between the two ends"
+            t.copy_(data)
+            self.received.append(t)
+        return lambda: None
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_a_region_contiguous_at_one_end_only_is_sent_or_received_in_place(grow):
+    # a row-parallel weight: tp 1 -> 2 makes [:, 512:] strided in the source and whole rows of
+    # the target; tp 2 -> 1 makes it the whole source shard and strided in the target
+    tree = PTree({"w": TensorLeaf((256, 1024), "float32",
+                                  Layout(Stage.of_layer(0), split=Split(axis=1)))}, num_layers=1)
+    full = torch.randn(256, 1024)
+    src, dst = (P(tp=1), P(tp=2)) if grow else (P(tp=2), P(tp=1))
+    src_of, dst_of = ([0, None], [0, 1]) if grow else ([0, 1], [0, None])
+    plan = make_plan(tree, src, dst)
+    sender, receiver = (0, 1) if grow else (1, 0)
+    shards = {r: {"w": full[:, 512 * r: 512 * (r + 1)].contiguous() if src.tp == 2 else full}
+              for r in range(src.world_size)}
+    out_comm = Recorder(sender)
+    execute_distributed(plan, tree, shards.get(src_of[sender]), out_comm, src_of, dst_of)
+    in_comm = Recorder(receiver, out_comm.sent)
+    out, _ = execute_distributed(plan, tree, shards.get(src_of[receiver]), in_comm, src_of, dst_of)
+    want = full[:, 512:] if grow else full
+    assert torch.equal(out["w"].view(torch.int32), want.contiguous().view(torch.int32))
+    assert sum(t.numel() for t in out_comm.sent) == 256 * 512 * 4
+    if grow:  # received straight into the new shard
+        assert all(_storage(t) == _storage(out["w"]) for t in in_comm.received)
+    else:     # sent straight from the old shard
+        assert all(_storage(t) == _storage(shards[1]["w"]) for t in out_comm.sent)
