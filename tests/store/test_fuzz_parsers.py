@@ -10,9 +10,15 @@ raise a :class:`~tenplex.errors.TenplexError` subclass; nothing else escapes
 (no ``ValueError``, ``RecursionError``, ``MemoryError``, ``KeyError``...). Each
 test is bounded: a fixed number of examples, each under a deadline.
 
-On e4220c6 (these tests run with ``PYTHONPATH`` at an archive of it) both fail:
-see the issue-20 note in ``integrations/megatron/tests/test_hostile_fuzz.py``'s
-module docstring for how, and this module's for the messages.
+Run against older code (this file copied into an archive of the commit, with
+``PYTHONPATH`` at it): on e4220c6 both tests fail, each with ``ValueError:
+Exceeds the limit (4300 digits) for integer string conversion: value has 5000
+digits`` (the manifest's ``config.dp``; a safetensors ``shape``); on 79514cb
+the manifest test fails with ``OverflowError: cannot convert float infinity to
+integer`` (``1e400`` in the tree, read by ``int(...)``), a defect this fuzz found
+and the manifest parser now refuses (``expected an integer, found inf``). The
+same aimed edits, tried one by one, found ``tree.num_layers = 2**40`` building
+a list per layer (a hang; now refused against ``MAX_LAYERS``).
 """
 
 from __future__ import annotations
