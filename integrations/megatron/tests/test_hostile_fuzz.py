@@ -16,8 +16,8 @@ equal what ``torch.load`` reads) and hostile pickle values (shared references
 with a 2**60-leaf repr, 4 MiB integers, refused calls on them). Run against
 e4220c6 (this file copied into an archive of it, imports pointed at its flat
 module names): the zip test fails with ``AssertionError: tensors read wrong:
-['b']`` (found in 17 s), and the pickle test does not return (killed after
-180 s: a refusal's message built the whole repr).
+['b']`` (found in 17 s), and the pickle test does not return (no example
+finished; killed by ``timeout 180``). On 79514cb all six pass in about 16 s.
 """
 
 from __future__ import annotations
