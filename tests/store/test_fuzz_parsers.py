@@ -29,10 +29,11 @@ import re
 import struct
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tenplex.api import save
-from tenplex.errors import TenplexError
+from tenplex.errors import ManifestError, TenplexError
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 from tenplex.store.manifest_parse import parse_manifest
@@ -142,3 +143,19 @@ def test_safetensors_header_parser_raises_only_tenplex_errors(data):
         parse_header(blob[8: 8 + m], size, "fuzz.safetensors")
     except TenplexError:
         pass
+
+
+@pytest.mark.parametrize("field,value,message", [
+    (b'"num_layers": ', b"1e400", r"tree\.num_layers: expected an integer, found inf"),
+    (b'"num_layers": ', b"1.5", r"tree\.num_layers: expected an integer, found 1\.5"),
+    (b'"num_layers": ', b"1099511627776", r"tree\.num_layers: expected an integer in \[1, 4096\]"),
+    (b'"align": ', b"1e400", r"tree\.buffers\[0\]\.align: expected an integer, found inf"),
+])
+def test_what_the_aimed_edits_found_is_refused(field, value, message):
+    """Found by :func:`targeted` on 79514cb: ``1e400`` in the tree escaped as ``OverflowError``
+    (this test fails there with it) and ``num_layers = 2**40`` built a list per layer (it hangs there)."""
+    data = _manifest()
+    i = data.index(field) + len(field)
+    j = re.match(rb"-?\d+", data[i:]).end() + i
+    with pytest.raises(ManifestError, match=message):
+        parse_manifest(data[:i] + value + data[j:], "fuzz/manifest.json")
