@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tenplex.errors import ConfigError, bounded_entry
+from tenplex.limits import short
 from tenplex.formats import TENPLEX, VerifyResult, detect, get_format
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import assemble
@@ -17,11 +19,13 @@ from tenplex.store.blocks import DEFAULT_BLOCK
 from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.store.reader import StoreReader
 from tenplex.store.stream import MAX_OPEN_FILES
-from tenplex.store.writer import save
+from tenplex.store.writer import save as _save
 from tenplex.transform.planner import make_plan
 from tenplex.units import Progress, format_bytes
 
 __all__ = ["save", "load", "load_global", "reshard", "verify", "ReshardReport"]
+
+save = bounded_entry("url")(_save)  # the verbs turn MemoryError and RecursionError into LimitError
 
 
 
@@ -75,6 +79,7 @@ def _joined(t, shape) -> torch.Tensor:
     return t
 
 
+@bounded_entry("url")
 def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
          storage_options: dict | None = None, threads: int = 8) -> dict[str, Any]:
     """One rank's local shards of the checkpoint at ``url``, laid out for ``config``.
@@ -113,6 +118,7 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
         runner.close()
 
 
+@bounded_entry("url")
 def load_global(url: str, *, storage_options: dict | None = None) -> dict[str, Any]:
     """The global state of the checkpoint at ``url``: ``{path: logical tensor or value}``.
 
@@ -132,6 +138,7 @@ def load_global(url: str, *, storage_options: dict | None = None) -> dict[str, A
     return out
 
 
+@bounded_entry("src")
 def reshard(src: str, dst: str, to: ParallelConfig, *, format: str | None = None,
             storage_options: dict | None = None, threads: int = 8, block: int = DEFAULT_BLOCK,
             max_open_files: int = MAX_OPEN_FILES, progress: Progress | None = None,
@@ -171,6 +178,8 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, format: str | None = None
             ``dst``, and what this reshard wrote there is removed.
     """
     start = time.perf_counter()
+    if not isinstance(to, ParallelConfig):
+        raise ConfigError(f"reshard {src}: to: expected a ParallelConfig, found {short(to)}")
     src_fmt = detect(src)
     out_fmt = get_format(format) if format else src_fmt
     opts = {**options, "storage_options": storage_options, "threads": threads, "block": block,
@@ -187,6 +196,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, format: str | None = None
                          tuple(result.padding), tuple(result.notes), result.direct)
 
 
+@bounded_entry("url")
 def verify(url: str, *, storage_options: dict | None = None, threads: int = 4,
            progress: Progress | bool | None = None, **options) -> VerifyResult:
     """Check a checkpoint of any installed format on disk, without loading it.

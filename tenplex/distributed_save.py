@@ -20,7 +20,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from tenplex.errors import AlreadyExistsError, CorruptShardError, PlanError
+from tenplex.errors import AlreadyExistsError, CorruptShardError, PlanError, bounded_entry
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope
@@ -34,6 +34,7 @@ from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 __all__ = ["save_distributed"]
 
 
+@bounded_entry("url")
 def save_distributed(local_state: dict[str, Any], tree: PTree, config: ParallelConfig, url: str, *,
                      rank: int | None = None, group=None, comm: Comm | None = None,
                      storage_options: dict | None = None, block: int = DEFAULT_BLOCK,

@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from tenplex.cli.plugins import commands as plugin_commands
-from tenplex.errors import ConfigError, TenplexError
+from tenplex.errors import ConfigError, TenplexError, exhausted
 from tenplex.ptree.config import ParallelConfig
 
 __all__ = ["main", "run", "build_parser", "command_names", "COMMANDS"]
@@ -134,6 +134,11 @@ def _return_freed_memory() -> None:
         pass
 
 
+def _input(args: argparse.Namespace) -> str:
+    """What the command read: its source path (``src`` or ``path``), else its name."""
+    return str(getattr(args, "src", None) or getattr(args, "path", None) or args.command)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -141,9 +146,15 @@ def main(argv: list[str] | None = None) -> int:
 
     _return_freed_memory()
     try:
-        if getattr(args, "tenplex_command", None) is not None:
-            return args.tenplex_command.run(args) or 0
-        return getattr(commands, args.command)(args) or 0
+        try:
+            if getattr(args, "tenplex_command", None) is not None:
+                return args.tenplex_command.run(args) or 0
+            return getattr(commands, args.command)(args) or 0
+        except TenplexError:
+            raise
+        except (MemoryError, RecursionError) as exc:  # the one place for the CLI (errors.bounded_entry: the API's)
+            error = exhausted(_input(args), exc)
+        raise error  # outside the handler: the failed command's frames are freed first
     except KeyboardInterrupt:
         print("tenplex: interrupted", file=sys.stderr)
         return 130

@@ -188,6 +188,11 @@ class ParallelConfig:
         Raises:
             ConfigError: if ``rank`` is not in ``[0, world_size)``.
         """
+        try:
+            rank = operator.index(rank)
+        except TypeError:
+            raise ConfigError(f"{self}: rank: expected an int in [0, {self.world_size}), found "
+                              f"{type(rank).__name__} {short(rank)}") from None
         if not 0 <= rank < self.world_size:
             raise ConfigError(f"{self}: rank {rank} is outside [0, {self.world_size})")
         order, sizes = self.grid_order, self._grid_sizes

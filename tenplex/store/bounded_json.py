@@ -25,11 +25,12 @@ import numpy as np
 from tenplex.errors import ManifestError
 from tenplex.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_JSON_NODES
 
-__all__ = ["load_json", "MAX_INT_DIGITS"]
+__all__ = ["load_json", "check_writable", "MAX_INT_DIGITS"]
 
 MAX_INT_DIGITS = 40
 """Longest integer literal accepted (40 digits: 2**128 has 39)."""
 
+_LONG_INT = re.compile(rb"\d{%d,}" % (MAX_INT_DIGITS + 1))
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 
@@ -73,3 +74,32 @@ def load_json(data: bytes, where: str, *, max_bytes: int = MAX_JSON_BYTES, max_d
         raise error(f"{where}: malformed JSON: nested too deeply") from None
     except MemoryError:
         raise error(f"{where}: the JSON does not fit in memory") from None
+
+
+def check_writable(value: Any, where: str, error: type[Exception], *, depth_used: int = 0) -> str:
+    """``value`` as JSON text, checked to be readable back by :func:`load_json` (what a writer must check).
+
+    A value nested ``depth_used`` levels deep in its document may nest at most
+    ``MAX_JSON_DEPTH - depth_used`` levels itself; integers may have at most
+    :data:`MAX_INT_DIGITS` digits; objects and arrays count towards :data:`MAX_JSON_NODES`.
+    Without this check a writer could commit a document its own reader refuses.
+
+    Raises:
+        error: naming ``where``: not JSON-serializable (a type, a cycle), nested too deeply,
+            too many containers, or an integer too long.
+    """
+    try:
+        text = json.dumps(value)
+    except RecursionError:
+        raise error(f"{where}: expected at most {MAX_JSON_DEPTH - depth_used} levels of nesting, "
+                    "found more than Python's recursion limit") from None
+    except (TypeError, ValueError) as exc:
+        raise error(f"{where}: expected a JSON-serializable value, found one that is not: "
+                    f"{str(exc)[:200]}") from None
+    data = text.encode()
+    _structure(data, where, error, MAX_JSON_DEPTH - depth_used, MAX_JSON_NODES)
+    long = _LONG_INT.search(_STRING.sub(b'""', data))
+    if long:
+        raise error(f"{where}: expected integers of at most {MAX_INT_DIGITS} digits, found one of "
+                    f"{long.end() - long.start()}")
+    return text

@@ -29,7 +29,7 @@ from tenplex.errors import ConfigError, LayoutError, ManifestError, PathError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, Scope, check_path
-from tenplex.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_WORLD, short
+from tenplex.limits import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_LAYERS, MAX_WORLD, short
 from tenplex.store.bounded_json import load_json
 from tenplex.store.manifest import MANIFEST_SCHEMA, FileRecord, Manifest, TensorRecord
 
@@ -96,6 +96,7 @@ def _short(value: Any) -> str:
 def _config(obj: Any, where: str) -> ParallelConfig:
     if not isinstance(obj, dict):
         raise ManifestError(f"{where}: config: expected an object, found {type(obj).__name__}")
+    _no_floats(obj, f"{where}: config")
     for axis in ("dp", "tp", "pp"):
         _count(obj.get(axis), f"{where}: config.{axis}", 1, MAX_WORLD)
     try:
@@ -108,9 +109,29 @@ def _config(obj: Any, where: str) -> ParallelConfig:
     return config
 
 
+def _no_floats(obj: Any, field: str) -> None:
+    """Raise ManifestError at the first number that is not an integer (iteratively).
+
+    A tree and a config hold only integers, strings, booleans and null; the
+    readers' ``int(...)`` would truncate ``1.5`` to 1 and fail on ``1e400`` (infinity)
+    with an ``OverflowError``.
+    """
+    stack = [(obj, field)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, float):
+            raise ManifestError(f"{at}: expected an integer, found {short(item)}")
+        if isinstance(item, dict):
+            stack.extend((v, f"{at}.{str(k)[:40]}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+
+
 def _tree(obj: Any, where: str) -> PTree:
     if not isinstance(obj, dict) or not isinstance(obj.get("leaves"), dict):
         raise ManifestError(f"{where}: tree: expected an object with 'leaves'")
+    _no_floats(obj, f"{where}: tree")
+    _count(obj.get("num_layers", 1), f"{where}: tree.num_layers", 1, MAX_LAYERS)  # sizes a list per layer
     try:
         return PTree.from_json(obj)
     except (LayoutError, PathError, ConfigError, KeyError, TypeError, ValueError) as exc:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 from tenplex.errors import ShardError
+from tenplex.store.bounded_json import check_writable
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import PTree, Scope
 
-__all__ = ["check_values", "gather_values"]
+__all__ = ["check_values", "gather_values", "VALUE_DEPTH"]
+
+VALUE_DEPTH = 2
+"""Levels above a value in the manifest (``{"values": {path: value}}``); a scoped value adds one."""
 
 
 def check_values(tree: PTree, values: Mapping[str, Any]) -> dict:
@@ -25,10 +28,7 @@ def check_values(tree: PTree, values: Mapping[str, Any]) -> dict:
         value = values[path]
         if leaf.scope is not Scope.GLOBAL and not isinstance(value, Mapping):
             raise ShardError(f"value leaf {path}: expected {{key: value}} for scope {leaf.scope.value}")
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            raise ShardError(f"value leaf {path}: not JSON-serializable: {exc}") from exc
+        check_writable(value, f"value leaf {path}", ShardError, depth_used=VALUE_DEPTH)
         out[path] = value
     return out
 

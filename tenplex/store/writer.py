@@ -37,6 +37,8 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, torch_dtype
 from tenplex.store.blocks import DEFAULT_BLOCK, BlockHasher
 from tenplex.store.commit import commit_manifest
+from tenplex.limits import short
+from tenplex.store.bounded_json import check_writable
 from tenplex.store.manifest import MANIFEST, FileRecord, Manifest, TensorRecord
 from tenplex.store.manifest_parse import MAX_BLOCK
 from tenplex.store.safetensors_format import Entry, header_bytes
@@ -91,6 +93,9 @@ class _FileWriter:
         if name != expected[0]:
             raise ShardError(f"{self.key}: expected tensor {expected[0]} next, got {name}")
         parts = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+        if not parts or any(not isinstance(p, torch.Tensor) or p.device.type == "meta" for p in parts):
+            raise ShardError(f"{self.key}: tensor {name}: expected a tensor with data (or a list of them), "
+                             f"found {short(tensor)}")
         dtype = torch_dtype(expected[1])
         numel = sum(p.numel() for p in parts)
         whole = len(parts) == 1
@@ -164,6 +169,7 @@ class StoreWriter:
         self.tree, self.config = tree, config
         self.sharding = sharding if sharding is not None and sharding.config == config else Sharding(tree, config)
         self.block, self.meta, self.progress = block, dict(meta or {}), progress
+        check_writable(self.meta, f"{self.root}: meta", ShardError, depth_used=1)  # readable back (issue 20)
         self.token = token or uuid.uuid4().hex[:16]
         if self.root.exists(MANIFEST):
             raise AlreadyExistsError(f"{self.root}: a committed checkpoint exists; "
@@ -336,7 +342,7 @@ def save(url: str, tree: PTree, config: ParallelConfig, shards_by_rank: Mapping[
     """
     missing = sorted(set(range(config.world_size)) - set(shards_by_rank))
     if missing:
-        raise ShardError(f"save under {config}: shards of ranks {missing} are missing")
+        raise ShardError(f"save under {config}: shards of {len(missing)} ranks are missing: {short(missing)}")
     with StoreWriter(url, tree, config, storage_options=storage_options, meta=meta,
                      block=block, progress=progress) as writer:
         def write_rank(item):

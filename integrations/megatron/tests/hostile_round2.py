@@ -40,22 +40,69 @@ def own_storages(path: pathlib.Path) -> None:
     torch.save(obj, path)
 
 
-def case_twin(blob: bytes) -> bytes:
-    """The torch archive ``blob`` with its record ``data/0`` replaced by a stored decoy of zeros,
-    followed by the real bytes, deflated, under ``DATA/0``: torch's reader, which matches names
-    without regard to case, reads the twin."""
+def case_twin(blob: bytes, record: str = "data/0") -> bytes:
+    """The torch archive ``blob`` with its ``record`` replaced by a stored decoy of zeros,
+    followed by the real bytes, deflated, under the upper-case name: torch's reader, which
+    matches names without regard to case, reads the twin."""
     zin = zipfile.ZipFile(io.BytesIO(blob))
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z:
         for info in zin.infolist():
             data = zin.read(info)
             top, _, rest = info.filename.partition("/")
-            if rest == "data/0":
-                z.writestr(zipfile.ZipInfo(f"{top}/data/0"), bytes(len(data)), compress_type=zipfile.ZIP_STORED)
-                z.writestr(zipfile.ZipInfo(f"{top}/DATA/0"), data, compress_type=zipfile.ZIP_DEFLATED)
+            if rest == record:
+                z.writestr(zipfile.ZipInfo(f"{top}/{record}"), bytes(len(data)), compress_type=zipfile.ZIP_STORED)
+                z.writestr(zipfile.ZipInfo(f"{top}/{record.upper()}"), data, compress_type=zipfile.ZIP_DEFLATED)
             else:
                 z.writestr(info, data)
     return out.getvalue()
+
+
+def rezip_bytes(blob: bytes, compress: int = zipfile.ZIP_STORED) -> bytes:
+    """:func:`rezip` of bytes: the same records, written by Python's zipfile (no 64-byte alignment)."""
+    with zipfile.ZipFile(io.BytesIO(blob)) as zin:
+        entries = [(info.filename, zin.read(info)) for info in zin.infolist()]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compress) as zout:
+        for name, data in entries:
+            zout.writestr(name, data)
+    return out.getvalue()
+
+
+def directory_offsets(blob: bytes) -> list[int]:
+    """Where each central directory entry's local-header offset field lies in ``blob`` (no zip64)."""
+    end = blob.rfind(b"PK\x05\x06")
+    at, count = int.from_bytes(blob[end + 16:end + 20], "little"), int.from_bytes(blob[end + 10:end + 12], "little")
+    out = []
+    for _ in range(count):
+        assert blob[at:at + 4] == b"PK\x01\x02", "not a central directory entry"
+        out.append(at + 42)
+        at += 46 + sum(int.from_bytes(blob[at + k:at + k + 2], "little") for k in (28, 30, 32))
+    return out
+
+
+@st.composite
+def zip_targeted(draw, blob: bytes) -> bytes:
+    """``blob`` (a torch archive) with what broke the old readers aimed at: a data record given a
+    case twin, the archive re-zipped (records no longer where torch's writer puts them), or one
+    record's local-header offset pointed past the end, at another record, or off by a few bytes."""
+    kind = draw(st.sampled_from(["twin", "rezip", "rezip", "offset"]))
+    names = [n.partition("/")[2] for n in zipfile.ZipFile(io.BytesIO(blob)).namelist()]
+    if kind == "twin":
+        return case_twin(blob, draw(st.sampled_from([n for n in names if n.startswith("data/")])))
+    if kind == "rezip":
+        return rezip_bytes(blob, draw(st.sampled_from([zipfile.ZIP_STORED, zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])))
+    fields = directory_offsets(blob)
+    at = draw(st.sampled_from(fields))
+    old = int.from_bytes(blob[at:at + 4], "little")
+    others = [int.from_bytes(blob[f:f + 4], "little") for f in fields]
+    new = draw(st.sampled_from([len(blob) + 64, 0xFFFFFFFF, old + 64, max(old - 64, 0), *others]))
+    return blob[:at] + new.to_bytes(4, "little") + blob[at + 4:]
+
+
+def long_int_pickle(nbytes: int) -> bytes:
+    """A pickle fragment pushing an integer of ``nbytes`` bytes (LONG4)."""
+    return b"\x8b" + nbytes.to_bytes(4, "little") + b"\x01" * nbytes
 
 
 def case_twin_item(d: pathlib.Path) -> torch.Tensor:
@@ -108,4 +155,4 @@ def mutated(draw, data: bytes) -> bytes:
     return bytes(out)
 
 
-__all__ = ["mutated", "own_storages", "rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]
+__all__ = ["zip_targeted", "rezip_bytes", "directory_offsets", "long_int_pickle", "mutated", "own_storages", "rezip", "case_twin", "case_twin_item", "args_edit", "shared_refs_pickle", "pickle"]

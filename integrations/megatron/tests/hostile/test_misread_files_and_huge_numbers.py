@@ -94,14 +94,26 @@ def test_rezipped_legacy_reshards_to_the_same_weights(real, tmp_path):
     assert not wrong and set(want) <= set(got), f"{len(wrong)} tensors written wrong: {wrong[:4]}"
 
 
-def test_dcp_item_with_a_case_twin_record_is_refused(real, tmp_path):
+@pytest.mark.parametrize("command", ["verify", "reshard"])
+def test_dcp_item_with_a_case_twin_record_is_refused(real, tmp_path, command):
     """A DCP item with a stored decoy ``data/0`` and a deflated twin ``DATA/0``: torch.load reads the
-    twin; tenplex checked the decoy and read the compressed stream as float32."""
+    twin; tenplex checked the decoy and read the compressed stream as float32.
+
+    Evidence on e4220c6 (the real checkpoint of this module, item ``embedding.word_embeddings.weight``
+    made a case twin by :func:`hostile_round2.case_twin_item`; the e4220c6 CLI run with its own entry
+    points): ``tenplex verify`` exit 0 ("OK (megatron-dist): 3 files, ... every record's CRC-32
+    verified on disk"); ``tenplex reshard CKPT OUT --to dp=1,tp=1,pp=1 --format megatron-legacy``
+    exit 0, and the output's ``embedding.word_embeddings.weight`` begins ``[1.059, -1.88e-39,
+    -9.13e-36, 8.22e-33, -2.31e+36, 1.75e+11]`` where torch.load of the twin reads ``[-0.00223,
+    -0.00993, 0.00326, -0.0176, 0.00108, 0.0134]``: wrong weights, exit 0. On 79514cb both commands
+    exit 1 with the one line this test expects.
+    """
     ckpt = _copy(real, "dist", tmp_path)
     true = case_twin_item(ckpt)
     assert true.numel() > 0  # torch.load reads the twin, the real values
-    argv = ["reshard", str(ckpt), str(tmp_path / "out"), "--to", "dp=1,tp=1,pp=1"]
-    _refused(tmp_path, argv, "evil.distcp", r"record.*same name without regard to case")
+    argv = ["reshard", str(ckpt), str(tmp_path / "out"), "--to", "dp=1,tp=1,pp=1", "--format", "megatron-legacy"]
+    _refused(tmp_path, argv if command == "reshard" else ["verify", str(ckpt)], "evil.distcp",
+             r"embedding\.word_embeddings\.weight.*record.*same name without regard to case")
 
 
 # ---------------------------------------------------------------- numbers that size loops

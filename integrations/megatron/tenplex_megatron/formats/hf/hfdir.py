@@ -16,7 +16,7 @@ from math import prod
 from typing import Callable
 
 from tenplex.errors import CorruptShardError, ManifestError
-from tenplex.limits import MAX_JSON_BYTES
+from tenplex.limits import MAX_JSON_BYTES, short
 from tenplex.store.bounded_json import load_json
 from tenplex.store.paths import open_regular
 
@@ -116,7 +116,24 @@ def _header(file: str) -> list[StoredTensor]:
         if name == "__metadata__":
             continue
         out.append(_entry(file, name, entry, 8 + n, size))
+    _no_overlaps(file, out)
     return out
+
+
+def _no_overlaps(file: str, entries: list[StoredTensor]) -> None:
+    """Refuse two tensors that share bytes (one would be read as the other's values).
+
+    The safetensors library refuses them too (its ``Metadata::validate`` requires each tensor to
+    start where the previous one ends); this checks the part that matters for what is read.
+    """
+    last = None
+    for t in sorted(entries, key=lambda t: (t.start, t.end)):
+        if last is not None and t.start < last.end and t.end > t.start:
+            raise CorruptShardError(f"{file}: tensors {short(last.name)} [{last.start}, {last.end}) and "
+                                    f"{short(t.name)} [{t.start}, {t.end}) share bytes; expected each "
+                                    "tensor in bytes of its own")
+        if last is None or t.end > last.end:
+            last = t
 
 
 def _entry(file: str, name: str, entry, base: int, size: int) -> StoredTensor:
@@ -127,7 +144,7 @@ def _entry(file: str, name: str, entry, base: int, size: int) -> StoredTensor:
     except (KeyError, TypeError, ValueError):
         ok = False
     if not ok:
-        raise CorruptShardError(f"{file}: tensor {name!r} has a malformed header entry {entry!r}")
+        raise CorruptShardError(f"{file}: tensor {short(name)} has a malformed header entry {short(entry)}")
     expected = prod(shape) * _ITEMSIZE[dtype]
     if end - begin != expected or begin < 0 or base + end > size:
         raise CorruptShardError(f"{file}: tensor {name!r} {dtype}{list(shape)} needs {expected} bytes; its "
