@@ -10,7 +10,17 @@ expert tp 1, 256 -> 512 ranks). The last line is one JSON object:
 ``plan_s_1024_to_2048``, ``plan_s_2048_to_1024``, ``plan_s_moe_256_to_512``,
 ``peak_rss_mb`` (the GPT-3 changes), ``moved_over_lower_bound``.
 
-Usage: python bench/plan_scale.py [--layers 96] [--repeat 3]
+Llama-3.1-405B (126 layers, uneven pp 16: stages 7:8x14:7; distributed
+Adam) at tp 8, pp 16 follows, dp 64 <-> 128 (8192 <-> 16384 GPUs), both
+ways, each part in a fresh child process: whole-plan time and peak RSS;
+``best_placement``'s time (wall and CPU) and peak RSS; bytes moved with the
+contiguous and with the best placement, and the placement-free bound
+(:func:`tenplex.transform.assign.placement_bound`: the smaller of the row-
+and column-maxima rules; the row-only rule is printed beside it). The last
+line then adds ``plan_s_405b``, ``plan_rss_mb_405b``, ``placement_s_405b``,
+``best_moved_over_placement_bound`` (the worse way) and the bytes.
+
+Usage: python bench/plan_scale.py [--layers 96] [--repeat 3] [--only-405b]
 """
 
 from __future__ import annotations
@@ -91,12 +101,112 @@ def run_one(layers: int, change: str, repeat: int, queue) -> None:
     })
 
 
+LLAMA_405B_CHANGES = {"8192_to_16384": (64, 128), "16384_to_8192": (128, 64)}
+
+
+def llama_405b():
+    """Llama-3.1-405B's tree and its config at ``dp`` (tp 8, pp 16, stages 7:8x14:7)."""
+    from tenplex.models import GPTSpec, gpt_tree
+    from tenplex.ptree import ParallelConfig
+
+    spec = GPTSpec(num_layers=126, hidden=16384, heads=128, query_groups=8, ffn=53248,
+                   vocab=128256, seq_len=8192, swiglu=True, tied=False, rope=True, bias=False,
+                   layernorm=False, dtype="bfloat16", optimizer="distributed_adam")
+    stages = "stages=7:" + ":".join(["8"] * 14) + ":7"
+    return gpt_tree(spec), lambda dp: ParallelConfig.parse(f"dp={dp},tp=8,pp=16,{stages}")
+
+
+def run_405b_whole(change: str, queue) -> None:
+    """The whole plan with the contiguous placement: time, peak RSS, bytes moved."""
+    from tenplex.transform import make_plan
+
+    tree, config = llama_405b()
+    a, b = (config(dp) for dp in LLAMA_405B_CHANGES[change])
+    t0 = time.perf_counter()
+    plan = make_plan(tree, a, b)
+    plan_s = time.perf_counter() - t0
+    queue.put({"plan_s": plan_s, "plan_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "ops": len(plan.ops), "needed_tb": plan.totals.needed / 1e12,
+               "moved_tb": plan.totals.moved / 1e12, "lower_bound_tb": plan.totals.lower_bound / 1e12})
+
+
+def run_405b_placement(change: str, queue) -> None:
+    """best_placement's time and peak RSS, the bounds, and the bytes moved with its placement."""
+    import scipy.optimize
+    import scipy.sparse.csgraph  # noqa: F401 (imported before timing, as the planner's caller has)
+
+    from tenplex.transform import make_plan
+    from tenplex.transform.assign import best_placement, weight_blocks
+    from tenplex.transform.placement import Placement
+
+    tree, config = llama_405b()
+    a, b = (config(dp) for dp in LLAMA_405B_CHANGES[change])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    best = best_placement(tree, a, b, Placement.contiguous(a.world_size))
+    placement_s, placement_cpu = time.perf_counter() - t0, time.process_time() - c0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    needed, blocks = weight_blocks(tree, a, b)
+    rows = sum(int(k.weight.max(axis=1).sum()) for k in blocks)
+    cols = sum(int(k.weight.max(axis=0).sum()) for k in blocks)
+    bound_s = time.perf_counter() - t0
+    moved = make_plan(tree, a, b, dst_placement=best).totals.moved
+    queue.put({"placement_s": placement_s, "placement_cpu_s": placement_cpu, "placement_rss_mb": rss, "rss_before_mb": before,
+               "bound_s": bound_s, "blocks": len(blocks),
+               "largest_block": max((k.weight.shape for k in blocks), default=(0, 0)),
+               "bound_tb": (needed - min(rows, cols)) / 1e12, "row_bound_tb": (needed - rows) / 1e12,
+               "best_moved_tb": moved / 1e12})
+
+
+def _child(ctx, target, *args):
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    result = queue.get(timeout=1800)
+    proc.join()
+    return result
+
+
+def bench_405b(ctx) -> dict:
+    """The Llama-3.1-405B changes; prints their lines and returns the last line's keys."""
+    whole, place = {}, {}
+    for change in LLAMA_405B_CHANGES:
+        whole[change] = w = _child(ctx, run_405b_whole, change)
+        place[change] = p = _child(ctx, run_405b_placement, change)
+        print(f"405B {change}: whole plan {w['plan_s']:.2f}s peak_rss={w['plan_rss_mb']:.0f}MB "
+              f"ops={w['ops']:,}; needed {w['needed_tb']:.1f}TB")
+        print(f"      best placement {p['placement_s']:.2f}s (cpu {p['placement_cpu_s']:.2f}s) peak_rss={p['placement_rss_mb']:.0f}MB "
+              f"(before {p['rss_before_mb']:.0f}MB; {p['blocks']} blocks, largest "
+              f"{p['largest_block'][0]}x{p['largest_block'][1]})")
+        print(f"      moved: contiguous {w['moved_tb']:.2f}TB, best placement {p['best_moved_tb']:.2f}TB; "
+              f"placement-free bound {p['bound_tb']:.2f}TB (row maxima only: "
+              f"{p['row_bound_tb']:.2f}TB; {p['bound_s']:.1f}s)")
+    ratio = [p["best_moved_tb"] / p["bound_tb"] if p["bound_tb"] else 1.0 for p in place.values()]
+    return {
+        "plan_s_405b": round(max(w["plan_s"] for w in whole.values()), 3),
+        "plan_rss_mb_405b": round(max(w["plan_rss_mb"] for w in whole.values()), 1),
+        "placement_s_405b": round(max(p["placement_s"] for p in place.values()), 3),
+        "placement_cpu_s_405b": round(max(p["placement_cpu_s"] for p in place.values()), 3),
+        "placement_rss_mb_405b": round(max(p["placement_rss_mb"] for p in place.values()), 1),
+        "best_moved_over_placement_bound": round(max(ratio), 4),
+        "placement_bound_tb_405b": {c: round(p["bound_tb"], 3) for c, p in place.items()},
+        "moved_tb_405b": {c: {"contiguous": round(whole[c]["moved_tb"], 3),
+                              "best": round(p["best_moved_tb"], 3)} for c, p in place.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=96)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only-405b", action="store_true", help="run only the Llama-3.1-405B changes")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
+    if args.only_405b:
+        print(json.dumps(bench_405b(ctx)))
+        return
     results = {}
     for change in CHANGES:
         queue = ctx.Queue()
@@ -124,7 +234,9 @@ def main() -> None:
         scaling.append(r)
         print(f"scaling: layers={layers} leaves={r['leaves']} ops={r['ops']:,} plan={r['plan_s']:.2f}s "
               f"({r['plan_s'] / r['leaves'] * 1e3:.3f} ms/leaf)")
+    last = bench_405b(ctx)
     print(json.dumps({
+        **last,
         "plan_s_1024_to_2048": round(results["1024_to_2048"]["plan_s"], 3),
         "plan_s_2048_to_1024": round(results["2048_to_1024"]["plan_s"], 3),
         "plan_s_moe_256_to_512": round(results["moe_256_to_512"]["plan_s"], 3),
