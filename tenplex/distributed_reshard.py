@@ -53,6 +53,7 @@ from tenplex.store.split import split_files
 from tenplex.store.stream import MAX_OPEN_FILES, stream_targets
 from tenplex.store.writer import StoreWriter
 from tenplex.transform.agree import check_same_inputs, tree_digest
+from tenplex.distributed_parts import ProcessStats, _Counter, _watch, reshard_parts
 from tenplex.transform.comm import Comm, TorchComm
 from tenplex.transform.guard import TransferGuard
 from tenplex.transform.plan import FILL_CODE
@@ -103,30 +104,6 @@ def stop_on_sigterm(rank: int) -> None:
 
 
 @dataclass(frozen=True)
-class ProcessStats:
-    """What one process did.
-
-    Attributes:
-        process: its rank in the group.
-        ranks: the target ranks whose files it wrote.
-        bytes_read: bytes it fetched from the source's files (whole checksum blocks for a store).
-        bytes_needed: unique source bytes its files need.
-        bytes_written: tensor bytes it wrote.
-        seconds: its wall time, from entering the reshard to reporting its files.
-        bytes_shared: edge blocks it took from another process of its host
-            (:mod:`tenplex.store.hostcache`) instead of reading them again.
-    """
-
-    process: int
-    ranks: list[int]
-    bytes_read: int
-    bytes_needed: int
-    bytes_written: int
-    seconds: float
-    bytes_shared: int = 0
-
-
-@dataclass(frozen=True)
 class DistributedReshardReport:
     """A reshard run by several processes (the same on every process).
 
@@ -166,48 +143,16 @@ class DistributedReshardReport:
                 "bytes_written": self.bytes_written, "processes": [asdict(p) for p in self.processes]}
 
 
-class _Counter:
-    """Adds this process's written bytes to a store key, at most every ``every`` seconds."""
-
-    def __init__(self, store, every: float = 0.2):
-        self.store, self.every = store, every
-        self.sent, self.done, self.last = 0, 0, 0.0
-        self.lock = threading.Lock()
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        with self.lock:
-            self.done = done
-            if now - self.last >= self.every or done == total:
-                self.flush(now)
-
-    def flush(self, now: float | None = None) -> None:
-        delta, self.sent = self.done - self.sent, self.done
-        self.last = time.monotonic() if now is None else now
-        if delta and self.store is not None:
-            try:
-                self.store.add("progress", delta)
-            except Exception:  # progress only: the guard reports a lost store
-                pass
-
-
-def _watch(store, total: int, progress, stop: threading.Event) -> None:
-    """Process 0: feed ``progress(done, total)`` from every process's counts until ``stop``."""
-    while not stop.wait(0.2):
-        try:
-            progress(min(store.add("progress", 0), total), total)
-        except Exception:
-            return
-
-
 def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, format: str | None = None,
                         storage_options: dict | None = None, threads: int = 4, block: int = DEFAULT_BLOCK,
                         max_open_files: int = MAX_OPEN_FILES, progress=None,
                         timeout: float = RESHARD_TIMEOUT, **options) -> DistributedReshardReport:
     """Reshard ``src`` to ``to`` at ``dst`` with every process of ``comm``; call it on each of them.
 
-    The target must be a tenplex store (``format`` None or ``"tenplex"`` with a
-    tenplex source, or ``"tenplex"``); the source may be any installed format.
+    The target is a tenplex store, or any format that writes in parts
+    (``parts = True``: megatron-legacy, megatron-dist; see
+    :mod:`tenplex.formats.protocol` and :func:`tenplex.distributed_parts.reshard_parts`);
+    the source may be any installed format.
     ``src``, ``dst`` and the store must be reachable by every process (a
     shared filesystem or an object store).
 
@@ -222,7 +167,7 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
         The report, the same on every process.
 
     Raises:
-        ConfigError: the target format cannot be written by several processes yet.
+        ConfigError: the target format does not write in parts.
         PlanError: the processes were called with different arguments.
         AlreadyExistsError: ``dst`` holds a committed checkpoint.
         CorruptShardError: a file is missing at ``dst`` as process 0 sees it (no shared store).
@@ -231,9 +176,10 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
     start = time.perf_counter()
     src_fmt = detect(src)
     out_fmt = get_format(format) if format else src_fmt
-    if out_fmt.name != TENPLEX:
+    if out_fmt.name != TENPLEX and not getattr(out_fmt, "parts", False):
         raise ConfigError(f"{WHAT} under torchrun: target format {out_fmt.name!r} cannot be written by "
-                          f"several processes yet; expected --format {TENPLEX}, or run in one process")
+                          f"several processes (it does not write in parts); expected a format that "
+                          f"does, such as --format {TENPLEX}, or run in one process")
     opts = {**options, "storage_options": storage_options, "threads": threads}
     with TransferGuard(comm, timeout=timeout, what=WHAT) as guard:
         guard.phase("agree")
@@ -244,6 +190,10 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
         everyone = [json.loads(b) for b in guard.gather("agree", json.dumps({"inputs": inputs}).encode())]
         with guard.agreeing():
             check_same_inputs(WHAT, everyone)
+        if out_fmt.name != TENPLEX:
+            stats, files = reshard_parts(guard, comm, out_fmt, source, dst, to, opts, progress, start)
+            return DistributedReshardReport(src_fmt.name, out_fmt.name, source.config, to, stats, files,
+                                            time.perf_counter() - start)
         plan = make_plan(tree, source.config, to, src_sharding=source.sharding)
         writer = _open(guard, comm, dst, tree, to, source.meta, storage_options, block)
         mine = split_files(writer.entries(), comm.size, to)[comm.rank]

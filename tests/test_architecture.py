@@ -35,7 +35,10 @@ LAYERS = {
     "tenplex.snapshot_recover": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.api",
                                  "tenplex.elastic", "tenplex.snapshot"},
     # a reshard run by the processes of a torchrun job, over formats and store
-    "tenplex.distributed_reshard": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats"},
+    "tenplex.distributed_reshard": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats",
+                                    "tenplex.distributed_parts"},
+    # its branch for a format that writes in parts (Megatron): over formats only
+    "tenplex.distributed_parts": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats"},
     "tenplex.cli": {"tenplex.ptree", "tenplex.transform", "tenplex.store", "tenplex.formats", "tenplex.models",
                     "tenplex.api", "tenplex.elastic", "tenplex.distributed_save", "tenplex.distributed_reshard"},
     "tenplex.__main__": {"tenplex.cli"},
@@ -43,7 +46,7 @@ LAYERS = {
 """The graph drawn in docs/architecture.md."""
 CORE = {"tenplex", "tenplex.ptree", "tenplex.models", "tenplex.transform", "tenplex.store", "tenplex.formats",
         "tenplex.api", "tenplex.snapshot", "tenplex.snapshot_recover",
-        "tenplex.elastic", "tenplex.distributed_save", "tenplex.distributed_reshard"}
+        "tenplex.elastic", "tenplex.distributed_save", "tenplex.distributed_reshard", "tenplex.distributed_parts"}
 """What the integration may import of the core (not the CLI)."""
 MEGATRON = "tenplex_megatron"
 LAYERS.update({

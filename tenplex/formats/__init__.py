@@ -5,9 +5,9 @@ See :mod:`tenplex.formats.protocol` for the call order and the records,
 :mod:`tenplex.formats.store` for the tenplex store as a format.
 """
 
-from tenplex.formats.protocol import Description, Format, VerifyResult, WriteResult
+from tenplex.formats.protocol import Description, Format, Part, VerifyResult, WriteResult
 from tenplex.formats.registry import detect, formats, get_format
 from tenplex.formats.store import TENPLEX, TenplexFormat, write_store
 
-__all__ = ["Format", "Description", "WriteResult", "VerifyResult", "TENPLEX", "TenplexFormat",
+__all__ = ["Format", "Description", "WriteResult", "VerifyResult", "Part", "TENPLEX", "TenplexFormat",
            "formats", "get_format", "detect", "write_store"]

@@ -26,6 +26,29 @@ A format whose checkpoints have one layout only (a Hugging Face model
 directory: tp = pp = ep = 1) says so with ``fixed_config``, a
 :class:`~tenplex.ptree.config.ParallelConfig`; the CLI then needs no ``--to``.
 
+**Writing in parts** (several processes, one commit: ``tenplex reshard``
+under torchrun, :mod:`tenplex.distributed_reshard`). A format that can
+says so with ``parts = True`` and then also accepts:
+
+- ``write(source, path, to, part=Part(index, count, token), **options)``:
+  write only part ``index`` of ``count`` of the target's files, into a
+  temporary place named by ``token`` (the same on every process), fsync
+  them, and commit nothing. It returns a ``WriteResult`` whose ``part`` is
+  JSON: ``{"files": {relative path: [size in bytes, xxh3-128 hex]}, ...}``
+  plus whatever the commit needs (e.g. a DCP directory's item records).
+  Which files a part writes is the format's choice (balanced by bytes);
+  every process calls it with the same arguments but ``index``.
+- ``commit(path, to, parts, part=Part(...), **options) -> WriteResult``:
+  run by one process after every part has reported; ``parts`` are their
+  ``WriteResult.part`` in index order. It checks every file the target
+  needs is reported once and is on disk (as the committing process sees
+  it) with its reported size, then makes the checkpoint visible at once
+  (Megatron: rename the iteration folder into place, then the tracker
+  file). A refused commit raises ``CorruptShardError`` and leaves nothing visible.
+- ``abort(path, part=Part(...), everything=False)``: remove this part's
+  files (``everything``: the whole temporary place, any part's files; the
+  committing process calls it after a failure). Best effort, never raises.
+
 ``options`` are keyword arguments every call accepts and ignores where they
 do not apply: ``model_config`` (a JSON file's path with the model's fields),
 ``threads`` (reads or files at once), ``checksums`` (``verify`` also returns
@@ -46,7 +69,7 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import PTree
 from tenplex.store.source import ShardSource
 
-__all__ = ["Format", "Description", "WriteResult", "VerifyResult", "Progress", "padding_lines"]
+__all__ = ["Format", "Description", "WriteResult", "VerifyResult", "Progress", "Part", "padding_lines"]
 
 Progress = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``."""
@@ -91,6 +114,8 @@ class WriteResult:
         padding: one line per padded axis whose padded length changed.
         notes: remarks for the user (what was dropped, derived or kept), one line each.
         direct: True when stored items were copied as they are, without the planner.
+        part: a part's report for ``commit`` (``write(..., part=...)``, see the module
+            docstring): JSON, ``{"files": {relative path: [size, xxh3-128 hex]}, ...}``; else None.
     """
 
     bytes_read: int
@@ -100,6 +125,28 @@ class WriteResult:
     padding: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     direct: bool = False
+    part: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One process's share of a write in parts (see the module docstring).
+
+    Attributes:
+        index: this part, ``0 <= index < count`` (the process's rank).
+        count: the number of parts (processes).
+        token: names the run's temporary place; the same on every process
+            (letters and digits only).
+    """
+
+    index: int
+    count: int
+    token: str
+
+    def __post_init__(self):
+        if not (0 <= self.index < self.count) or not self.token.isalnum():
+            raise ValueError(f"Part({self.index}, {self.count}, {self.token!r}): expected 0 <= index < "
+                             "count and an alphanumeric token")
 
 
 @dataclass(frozen=True)

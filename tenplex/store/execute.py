@@ -67,8 +67,9 @@ class StorePlanRunner:
         cols = plan.table.cols
         order = np.lexsort((cols["dst"], cols["path"]))
         self._order = order
-        self._paths = cols["path"][order]
+        paths = cols["path"][order]
         self._index = {p: i for i, p in enumerate(plan.table.paths)}
+        self._bounds = np.searchsorted(paths, np.arange(len(plan.table.paths) + 1)).tolist()
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -77,7 +78,7 @@ class StorePlanRunner:
         i = self._index.get(path)
         if i is None:
             return []
-        lo, hi = np.searchsorted(self._paths, [i, i + 1])
+        lo, hi = self._bounds[i], self._bounds[i + 1]
         table, out = self.plan.table, []
         for row in self._order[lo:hi].tolist():
             op = table[row]
@@ -184,11 +185,9 @@ def _union_bytes(starts: np.ndarray, ends: np.ndarray) -> int:
     reach = np.maximum.accumulate(e)
     new = np.ones(len(s), dtype=bool)
     new[1:] = s[1:] > reach[:-1]
-    group = np.cumsum(new) - 1
-    lo = s[new]
-    hi = np.zeros(len(lo), dtype=np.int64)
-    np.maximum.at(hi, group, e)
-    return int((hi - lo).sum())
+    firsts = np.flatnonzero(new)  # each group of overlapping runs is contiguous once sorted
+    hi = np.maximum.reduceat(e, firsts)  # not ``np.maximum.at``: about 20x slower per element
+    return int((hi - s[firsts]).sum())
 
 
 def target_values(tree: PTree, plan: Plan, reader: ShardSource, ranks=None) -> dict:

@@ -94,5 +94,30 @@ class Manifest:
                 "tensors": tensors, "meta": self.meta}
 
     def dumps(self, regions: dict | None = None) -> bytes:
-        """The manifest as UTF-8 JSON; ``regions`` adds each stored tensor's global boxes."""
-        return json.dumps(self.to_json(regions), indent=1).encode()
+        """The manifest as UTF-8 JSON; ``regions`` adds each stored tensor's global boxes.
+
+        One top-level key a line, and one item a line within ``tree``, ``values``, ``files``
+        and ``tensors``, each item on one line: readable line by line, and encoded by
+        the ``json`` module's C encoder (``indent`` makes it fall back to Python's, about
+        ten times slower: 0.6 s for a 0.5 GB GPT store's manifest).
+        """
+        return _lines(self.to_json(regions)).encode()
+
+
+def _compact(obj) -> str:
+    return json.dumps(obj)  # ", " and ": " as with ``indent``: tools that edit the text find them
+
+
+def _lines(doc: dict) -> str:
+    """``doc`` as JSON, top-level keys a line each, and a dict's or list's items a line each below them."""
+    out = []
+    for key, value in doc.items():
+        if isinstance(value, dict) and value:
+            items = ",\n  ".join(f"{_compact(k)}: {_compact(v)}" for k, v in value.items())
+            out.append(f"{_compact(key)}: {{\n  {items}\n }}")
+        elif isinstance(value, list) and value:
+            items = ",\n  ".join(_compact(v) for v in value)
+            out.append(f"{_compact(key)}: [\n  {items}\n ]")
+        else:
+            out.append(f"{_compact(key)}: {_compact(value)}")
+    return "{\n " + ",\n ".join(out) + "\n}\n"

@@ -21,13 +21,13 @@ from typing import Callable, Hashable, Mapping, Sequence
 from tenplex.ptree.config import ParallelConfig
 from tenplex.store.safetensors_format import Entry
 
-__all__ = ["split_files", "SLACK"]
+__all__ = ["split_files", "split_weights", "SLACK"]
 
 SLACK = 1.15
 """The busiest process may hold this many times the mean bytes before a unit is split."""
 
 
-def _units(entries: Mapping[int, Sequence[Entry]], unit_of: Callable[[int], Hashable]) -> list[list[int]]:
+def _units(entries: Mapping[int, object], unit_of: Callable[[int], Hashable]) -> list[list[int]]:
     """Ranks grouped by ``unit_of(rank)``, each group sorted by rank."""
     groups: dict = {}
     for rank in sorted(entries):
@@ -60,10 +60,20 @@ def split_files(entries: Mapping[int, Sequence[Entry]], n: int, config: Parallel
         ``n`` sorted lists of ranks; every rank of ``entries`` is in exactly one
         (a process may get none when there are fewer files than processes).
     """
+    return split_weights({r: sum(e.nbytes for e in es) for r, es in entries.items()}, n, config, slack)
+
+
+def split_weights(weights: Mapping[int, int], n: int, config: ParallelConfig | None = None,
+                  slack: float = SLACK) -> list[list[int]]:
+    """:func:`split_files` for any target's files: ``weights`` is ``{rank: bytes of its files}``.
+
+    Used by formats that write in parts (:class:`tenplex.formats.protocol.Part`),
+    whose files are named by the target rank that writes them.
+    """
     if n < 1:
         raise ValueError(f"split_files: expected n >= 1 processes, got {n}")
-    weight = {r: max(1, sum(e.nbytes for e in es)) for r, es in entries.items()}
-    units = _units(entries, (lambda r: config.coord(r).pp) if config is not None else (lambda r: r))
+    weight = {r: max(1, int(w)) for r, w in weights.items()}
+    units = _units(weight, (lambda r: config.coord(r).pp) if config is not None else (lambda r: r))
     total = sum(weight.values())
     while True:
         parts = _assign(units, weight, n)

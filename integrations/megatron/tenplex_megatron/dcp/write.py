@@ -108,6 +108,51 @@ class DcpWriter:
         self.items[key] = BytesStorageMetadata()
         self.storage[MetadataIndex(key)] = _StorageInfo(self._name, start, length)
 
+    def to_json(self) -> dict:
+        """The items and byte ranges written so far, as JSON (for a write in parts; see :meth:`add_json`).
+
+        ``{"tensors": {key: [dtype, size, [[offsets, sizes], ...]]}, "objects": [key, ...],
+        "storage": [[key, offsets | None, file, start, length], ...]}``.
+        """
+        tensors, objects = {}, []
+        for key, item in self.items.items():
+            if isinstance(item, TensorStorageMetadata):
+                tensors[key] = [str(item.properties.dtype).removeprefix("torch."), list(item.size),
+                                [[list(c.offsets), list(c.sizes)] for c in item.chunks]]
+            else:
+                objects.append(key)
+        storage = [[i.fqn, None if i.offset is None else list(i.offset), s.relative_path, s.offset, s.length]
+                   for i, s in self.storage.items()]
+        return {"tensors": tensors, "objects": objects, "storage": storage}
+
+    def add_json(self, part: dict) -> None:
+        """Add another writer's :meth:`to_json` (a part written by another process).
+
+        Raises:
+            ShardError: a tensor whose dtype or size differs from the same key's in an
+                earlier part, an unknown dtype, or an item recorded twice.
+        """
+        for key, (dtype, size, chunks) in part["tensors"].items():
+            dt = getattr(torch, str(dtype), None)
+            if not isinstance(dt, torch.dtype):
+                raise ShardError(f"{key}: dtype {dtype!r} is not a torch dtype")
+            item = self.items.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=dt),
+                                                                    torch.Size(size), []))
+            if not isinstance(item, TensorStorageMetadata) or tuple(item.size) != tuple(size) \
+                    or item.properties.dtype != dt:
+                raise ShardError(f"{key}: a part's chunks are {list(size)} {dt}; another part's item "
+                                 f"says {getattr(item, 'size', 'bytes')}")
+            item.chunks.extend(ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in chunks)
+        for key in part["objects"]:
+            if key in self.items:
+                raise ShardError(f"{key}: object written by two parts")
+            self.items[key] = BytesStorageMetadata()
+        for key, offsets, name, start, length in part["storage"]:
+            index = MetadataIndex(key) if offsets is None else MetadataIndex(key, torch.Size(offsets))
+            if index in self.storage:
+                raise ShardError(f"{key} at {offsets}: written by two parts")
+            self.storage[index] = _StorageInfo(name, int(start), int(length))
+
     def finish(self) -> None:
         """Close the open file and write ``.metadata`` (DCP's ``Metadata``, pickled)."""
         self.close()

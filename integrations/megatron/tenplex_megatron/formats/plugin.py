@@ -7,6 +7,9 @@ place: ``describe`` reads metadata only (pickles, DCP's ``.metadata``,
 store executor read by byte ranges; ``write`` writes any Megatron source
 (a tenplex store converted from Megatron, or a checkpoint of either
 format) a few target files at a time; ``verify`` checks the files on disk.
+Both write in parts too (``parts = True``: ``write(..., part=)``, ``commit``,
+``abort``; see :mod:`tenplex_megatron.formats.parts`), for ``tenplex reshard``
+under torchrun.
 """
 
 from __future__ import annotations
@@ -75,8 +78,25 @@ class _Legacy:
         from tenplex_megatron.formats.legacy.write import write_legacy
 
         r = write_legacy(source, path, to, options.get("threads", 8), options.get("progress"),
-                         names=options.get("names"))
+                         names=options.get("names"), part=options.get("part"))
         return _written(r, source.bytes_read)
+
+    parts = True
+
+    @staticmethod
+    def commit(path: str, to: ParallelConfig, parts: list, part, **options) -> WriteResult:
+        """Commit a write in parts: check every part's files, rename the folder, write the tracker."""
+        from tenplex_megatron.formats.parts import commit_parts
+
+        return _written(commit_parts(path, parts, part.token), 0)
+
+    @staticmethod
+    def abort(path: str, part, everything: bool = False) -> None:
+        """Remove the run's temporary folder (``everything``); a part removes its own files as it fails."""
+        from tenplex_megatron.formats.parts import abort_parts
+
+        if everything:
+            abort_parts(path, part.token)
 
     @staticmethod
     def verify(path: str, **options) -> VerifyResult:
@@ -113,8 +133,19 @@ class _Dist:
         from tenplex_megatron.formats.dist.write import write_dist
 
         r = write_dist(source, path, to, options.get("threads", 8), options.get("progress"),
-                       names=options.get("names"))
+                       names=options.get("names"), part=options.get("part"))
         return _written(r, source.bytes_read)
+
+    parts = True
+
+    @staticmethod
+    def commit(path: str, to: ParallelConfig, parts: list, part, **options) -> WriteResult:
+        """Commit a write in parts: check every part's files, merge ``.metadata``, rename, write the tracker."""
+        from tenplex_megatron.formats.dist.write import commit_dist
+
+        return _written(commit_dist(path, parts, part.token), 0)
+
+    abort = staticmethod(_Legacy.abort)
 
     @staticmethod
     def reshard(src: str, dst: str, to: ParallelConfig, **options) -> WriteResult | None:

@@ -20,11 +20,11 @@ def description(name: str, d: MegatronDescription) -> Description:
 
 
 def written(r: dict, bytes_read: int, direct: bool = False) -> WriteResult:
-    """The protocol's record of a writer's ``{"bytes_written", "files", "bytes_needed"?, "padding"?, "notes"?}``."""
+    """The protocol's record of a writer's ``{"bytes_written", "files", "bytes_needed"?, "padding"?, "notes"?, "part"?}``."""
     return WriteResult(bytes_read=bytes_read, bytes_needed=r.get("bytes_needed"),
                        bytes_written=r["bytes_written"], files=r["files"],
                        padding=padding_lines(r.get("padding", [])), notes=tuple(r.get("notes", [])),
-                       direct=direct)
+                       direct=direct, part=r.get("part"))
 
 
 def verified(r: dict, checked: str) -> VerifyResult:

@@ -31,6 +31,7 @@ from tenplex.ptree.shards import piece_view
 
 from tenplex_megatron.formats.common import TargetValues
 from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
+from tenplex_megatron.formats.parts import commit_parts, part_folder, part_ranks, remove_files, seal
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
 from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rng_key
@@ -39,7 +40,7 @@ from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffer
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of
 from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
 
-__all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir"]
+__all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir", "write_common", "commit_dist"]
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}
@@ -63,9 +64,8 @@ def temp_dir(root: str, iteration) -> str:
     return tmp
 
 
-def commit_dir(tmp: str, root: str, common: dict, iteration) -> str:
-    """Write ``common.pt`` and ``metadata.json`` into ``tmp``, rename it to ``root``'s iteration
-    folder, then write the tracker (Megatron-LM's ``--save`` layout); returns the iteration folder.
+def write_common(tmp: str, common: dict) -> list[str]:
+    """Write ``common.pt`` and ``metadata.json`` into ``tmp``; their names.
 
     ``common.pt`` with ``common_backend: torch`` is what megatron-core 0.16 to 0.19 all load
     (0.19 writes its common state into a ``.distcp`` item instead, and still reads ``common.pt``).
@@ -73,6 +73,15 @@ def commit_dir(tmp: str, root: str, common: dict, iteration) -> str:
     torch.save(common, os.path.join(tmp, "common.pt"))
     with open(os.path.join(tmp, "metadata.json"), "w") as f:
         json.dump(METADATA_JSON, f)
+    return ["common.pt", "metadata.json"]
+
+
+def commit_dir(tmp: str, root: str, common: dict, iteration) -> str:
+    """Write ``common.pt`` and ``metadata.json`` into ``tmp`` (:func:`write_common`), rename it to
+    ``root``'s iteration folder, then write the tracker (Megatron-LM's ``--save`` layout); returns
+    the iteration folder.
+    """
+    write_common(tmp, common)
     final = os.path.join(root, iteration_dir_name(iteration))
     os.rename(tmp, final)
     write_tracker(root, iteration)
@@ -123,7 +132,7 @@ def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
 
 
 def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None,
-               names: str | None = None) -> dict:
+               names: str | None = None, part=None) -> dict:
     """Write ``source`` laid out for ``to`` as a ``torch_dist`` checkpoint under the ``--save`` root ``path``.
 
     The iteration folder ``path/iter_NNNNNNN`` is written under a temporary name and renamed
@@ -139,9 +148,13 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         names: the naming scheme (``"local"`` or ``"te"``: an MoE layer's norm is
             ``pre_mlp_layernorm`` and attention has a ``core_attention`` extra state under TE);
             default: the source's.
+        part: a :class:`~tenplex.formats.protocol.Part`: write only this part's ``.distcp``
+            files (part 0 also ``common.pt``) into the run's temporary folder, fsync them and
+            commit nothing; the result's ``"part"`` carries their DCP items for
+            :func:`commit_dist` (:mod:`tenplex_megatron.formats.parts`).
 
     Returns:
-        ``{"bytes_written", "files", "padding", "notes"}``.
+        ``{"bytes_written", "files", "padding", "notes"}`` (and ``"part"``).
 
     Raises:
         AlreadyExistsError: the iteration folder exists, or ``path`` is a checkpoint folder.
@@ -166,15 +179,19 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
             values.notes.append("rng: the source stores no RNG state; none is written")
-        tmp = temp_dir(path, values.iteration)
+        tmp = temp_dir(path, values.iteration) if part is None else part_folder(path, values.iteration,
+                                                                                  part.token)
+        writers = [r for r in range(to.world_size)  # the others hold replicas only (replica_id > 0)
+                   if to.coord(r).dense_dp_first or to.coord(r).edp == 0]
+        mine = set(writers) if part is None else part_ranks(build, writers, part)
+        made = []
         try:
             writer, files = DcpWriter(tmp), 0
-            for rank in range(to.world_size):
+            for rank in sorted(mine):
                 c = to.coord(rank)
                 dense = c.dense_dp_first
-                if not dense and c.edp != 0:
-                    continue  # holds replicas only: megatron-core writes replica_id 0
-                writer.open(f"__{rank}_0.distcp")
+                made.append(f"__{rank}_0.distcp")
+                writer.open(made[-1])
                 files += 1
                 _write_tensors(build, cfg, writer, rank, optim, names)
                 if optim == "dp_reshardable":
@@ -183,13 +200,44 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                     _write_extra_states(cfg, to, writer, c.pp, names)
                 if dense and rng_states:
                     writer.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
-            writer.finish()
-            commit_dir(tmp, path, common_state(values, optim, meta.get("content_metadata")), values.iteration)
+            common = common_state(values, optim, meta.get("content_metadata"))
+            report = None
+            if part is None:
+                writer.finish()
+                commit_dir(tmp, path, common, values.iteration)
+            else:  # no .metadata, no rename, no tracker: commit_dist does them
+                writer.close()
+                made += write_common(tmp, common) if part.index == 0 else []
+                expected = [f"__{r}_0.distcp" for r in writers] + ["common.pt", "metadata.json"]
+                report = {"files": seal(tmp, made), "expected": expected, "iteration": values.iteration,
+                          "bytes_written": writer.bytes_written, "dcp": writer.to_json(),
+                          "ranks": sorted(mine)}
         except BaseException:
+            if part is not None:  # the other parts' files are theirs (or the committer's) to remove
+                remove_files(tmp, made)
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return {"bytes_written": writer.bytes_written, "files": files, "bytes_needed": build.runner.bytes_needed,
-                "padding": list(build.plan.padding), "notes": values.notes}
+                "padding": list(build.plan.padding), "notes": values.notes,
+                **({"part": report} if report is not None else {})}
+
+
+def commit_dist(path: str, parts: list[dict], token: str) -> dict:
+    """Commit a ``torch_dist`` checkpoint written in parts: the parts' DCP items merged into one
+    ``.metadata``, then the folder renamed into place and the tracker written
+    (:func:`tenplex_megatron.formats.parts.commit_parts`).
+
+    Raises:
+        CorruptShardError: a file missing or of another size, or parts whose items disagree.
+    """
+    def finish(folder: str) -> None:
+        writer = DcpWriter(folder)
+        for p in parts:
+            writer.add_json(p["dcp"])
+        writer.finish()
+        seal(folder, [".metadata"])
+    return commit_parts(path, parts, token, finish)
 
 
 def _dcp_key(cfg: MegatronConfig, path: str, names: str = "local") -> tuple[str, tuple[int, ...], tuple[int, ...]]:

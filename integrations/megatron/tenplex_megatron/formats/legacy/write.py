@@ -33,6 +33,7 @@ from tenplex_megatron.model.layouts import (OPTIMIZER_STATES, check_names, chunk
                                             optimizer_path, param_order, param_specs)
 from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.formats.legacy.grid import check_expert_files, legacy_writers, rank_dir_name
+from tenplex_megatron.formats.parts import part_folder, part_ranks, remove_files, seal
 from tenplex_megatron.torchfiles.ptsave import save_streamed
 from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
 
@@ -66,7 +67,7 @@ def _experts(cfg: MegatronConfig, to: ParallelConfig) -> bool:
 
 
 def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progress=None,
-                 expert_names: str | None = None, names: str | None = None) -> dict:
+                 expert_names: str | None = None, names: str | None = None, part=None) -> dict:
     """Write ``source`` laid out for ``to`` as a Megatron-LM per-rank checkpoint at ``root``.
 
     Args:
@@ -81,9 +82,12 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         names: the norms' naming scheme, ``"local"`` (``input_layernorm.weight``) or ``"te"``
             (``self_attention.linear_qkv.layer_norm_weight``, TE's extra states);
             default: the source's (:data:`~tenplex_megatron.model.layouts.NAMES`).
+        part: a :class:`~tenplex.formats.protocol.Part`: write only this part's rank
+            directories into the run's temporary folder, fsync them and commit nothing
+            (:mod:`tenplex_megatron.formats.parts`); the result's ``"part"`` is its report.
 
     Returns:
-        ``{"bytes_written", "files", "padding", "notes"}``.
+        ``{"bytes_written", "files", "padding", "notes"}`` (and ``"part"``).
 
     Raises:
         AlreadyExistsError: the iteration directory exists.
@@ -120,30 +124,48 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
             raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
         created = not os.path.lexists(root)  # issue 20: a refused write leaves no empty root behind
         os.makedirs(root, exist_ok=True)
-        tmp = os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
+        tmp = (os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}") if part is None
+               else part_folder(root, values.iteration, part.token))
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states()
-        jobs = []  # one per file, in rank order
+        writers = sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2]))
+        mine = part_ranks(build, [r for _, r in writers], part) if part is not None else None
+        jobs, expected, made = [], [], []  # one job per file, in rank order
         try:
-            for (t, p, e), rank in sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2])):
-                d = os.path.join(tmp, rank_dir_name(t, p, to.pp, e, to.ep))
+            for (t, p, e), rank in writers:
+                rel = rank_dir_name(t, p, to.pp, e, to.ep)
+                files = [f"{rel}/model_optim_rng.pt"] + ([f"{rel}/distrib_optim.pt"]
+                                                          if optimizer == "distrib_optim" else [])
+                expected += files
+                if mine is not None and rank not in mine:
+                    continue
+                d = os.path.join(tmp, rel)
                 os.makedirs(d)
+                made += files
                 jobs.append(lambda t=t, p=p, e=e, rank=rank, d=d: _write_rank(
                     build, cfg, values, rng_states, optimizer, t, p, e, rank, d, scheme))
                 if optimizer == "distrib_optim":
                     jobs.append(lambda p=p, e=e, rank=rank, d=d: _distrib_optim(
                         build, cfg, to, p, e, rank, dtypes, os.path.join(d, "distrib_optim.pt")))
             written, files = _write_files(jobs), len(jobs)
-            os.rename(tmp, final)
+            if part is not None:  # no rename, no tracker: the committing process does both
+                report = {"files": seal(tmp, made), "expected": expected, "iteration": values.iteration,
+                          "bytes_written": written, "ranks": sorted(mine)}
+            else:
+                os.rename(tmp, final)
         except BaseException:
+            if part is not None:  # the other parts' files are theirs (or the committer's) to remove
+                remove_files(tmp, made)
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
             if created and not os.listdir(root):
                 os.rmdir(root)
             raise
-        write_tracker(root, values.iteration)
+        if part is None:
+            write_tracker(root, values.iteration)
         return {"bytes_written": written, "files": files, "padding": list(build.plan.padding),
                 "bytes_needed": build.runner.bytes_needed,
-                "notes": values.notes}
+                "notes": values.notes, **({"part": report} if part is not None else {})}
 
 
 def _write_files(jobs: list) -> int:
