@@ -58,3 +58,20 @@ def test_tensors_sharing_bytes_in_an_hf_file_are_refused(hf_model, tmp_path):
     assert not out.exists()
     with pytest.raises(CorruptShardError, match=r"share bytes"):
         tenplex.verify(str(src), progress=False)
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 2**40), ("num_local_experts", 2**24),
+                                        ("vocab_size", 10**12), ("num_key_value_heads", -1)])
+def test_a_huge_count_in_config_json_is_refused_under_its_own_name(hf_model, tmp_path, key, value):
+    # 79514cb named Megatron's field ("MegatronConfig: args.num_layers"), not the file's key
+    from tenplex.errors import ConfigError
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_model, src)
+    config = json.loads((src / "config.json").read_text())
+    config[key] = value
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=rf"config\.json: {key}: expected an integer in \[0, \d+\]"):
+        tenplex.reshard(str(src), str(out), tenplex.ParallelConfig(), format="megatron-dist")
+    assert not out.exists()

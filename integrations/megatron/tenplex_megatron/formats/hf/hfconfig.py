@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from tenplex.errors import ConfigError
+from tenplex.limits import check_count, short
 
 from tenplex_megatron.formats.hf.family import Family
+from tenplex_megatron.model.limits import ARG_LIMITS
 
 __all__ = ["args_from_config"]
 
@@ -21,14 +23,31 @@ _LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_positi
 """megatron-core's hard-coded llama3 rope-scaling constants (``rope_utils.py::apply_rope_scaling``)."""
 
 
+_COUNTS = {"num_hidden_layers": "num_layers", "hidden_size": "hidden_size",
+           "intermediate_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
+           "num_key_value_heads": "num_query_groups", "head_dim": "kv_channels",
+           "max_position_embeddings": "max_position_embeddings", "vocab_size": "vocab_size",
+           "num_experts": "num_experts", "num_local_experts": "num_experts",
+           "moe_intermediate_size": "moe_ffn_hidden_size", "num_experts_per_tok": "num_experts"}
+"""``{config.json key: the Megatron args field whose bound (model/limits.ARG_LIMITS) it obeys}``."""
+
+
 def _get(config: dict, key: str, where: str, kind=int, default: Any = ...) -> Any:
+    """``config[key]`` as ``kind``; a count is checked against its bound under its own name.
+
+    Raises:
+        ConfigError: the key is missing, of another type, or a count past its bound, naming
+            ``where`` (the file) and ``key``.
+    """
     value = config.get(key, default)
     if value is ...:
         raise ConfigError(f"{where}: no {key!r}; expected it in a {kind.__name__} field")
     if value is None or (kind is float and isinstance(value, int) and not isinstance(value, bool)):
         return value if value is None else float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{where}: {key}={value!r}; expected a {kind.__name__}")
+        raise ConfigError(f"{where}: {key}={short(value)}; expected a {kind.__name__}")
+    if key in _COUNTS:
+        check_count(value, f"{where}: {key}", ARG_LIMITS[_COUNTS[key]], error=ConfigError)
     return value
 
 
@@ -45,13 +64,13 @@ def _rope(config: dict, where: str) -> dict:
                                   f"hard-codes {value}")
         out.update(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]))
     elif kind != "default":
-        raise ConfigError(f"{where}: rope_type {kind!r}; megatron-core GPTs here run default or llama3 rope")
+        raise ConfigError(f"{where}: rope_type {short(kind)}; megatron-core GPTs here run default or llama3 rope")
     return out
 
 
 def _refuse(config: dict, where: str) -> None:
     if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act={config['hidden_act']!r}; Megatron's SwiGLU is SiLU-gated")
+        raise ConfigError(f"{where}: hidden_act={short(config['hidden_act'])}; Megatron's SwiGLU is SiLU-gated")
     if config.get("use_sliding_window") or config.get("sliding_window") and config.get("use_sliding_window", True):
         raise ConfigError(f"{where}: sliding-window attention; megatron-core GPTs here attend to all tokens")
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
