@@ -41,6 +41,7 @@ from tenplex.limits import short
 from tenplex.store.bounded_json import check_writable
 from tenplex.store.manifest import MANIFEST, FileRecord, Manifest, TensorRecord
 from tenplex.store.manifest_parse import MAX_BLOCK
+from tenplex.store.paths import resolve_inside
 from tenplex.store.safetensors_format import Entry, header_bytes
 from tenplex.store.url import StoreRoot, translate_errors
 from tenplex.store.values import check_values, gather_values
@@ -78,6 +79,7 @@ class _FileWriter:
         with translate_errors(f"{root}/{key}"):
             root.fs.makedirs(root.key("shards"), exist_ok=True)
             if root.local:  # exclusive create: never write over a file this writer did not create
+                resolve_inside(root.path, root.key(key), f"{root}/{key}")  # a shards/ link out is refused
                 self.handle = open(root.key(key), "xb")
             else:
                 self.handle = root.fs.open(root.key(key), "wb", block_size=WRITE_BUFFER)

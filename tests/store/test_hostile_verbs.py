@@ -193,3 +193,19 @@ def test_resource_errors_under_the_cli_are_one_line(command, kind, monkeypatch, 
     assert len(err) == 1 and err[0].startswith(f"tenplex {command}: {url}"), err
     assert "Error:" not in err[0] and "Traceback" not in err[0], err[0]
     assert ("recursion limit" if kind is RecursionError else "memory") in err[0]
+
+
+def test_a_shards_link_out_of_the_destination_is_refused_and_nothing_written_there(tmp_path):
+    # 79514cb followed dst/shards -> elsewhere and wrote the shard files outside the checkpoint
+    from tenplex.errors import PathError
+
+    tree, shards = _state()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "shards").symlink_to(outside)
+    with pytest.raises(PathError, match=r"shards/rank-00000-.*outside the checkpoint"):
+        tenplex.save(str(dst), tree, CFG, shards)
+    assert list(outside.iterdir()) == []
+    assert not (dst / "manifest.json").exists()
