@@ -63,7 +63,7 @@ def _launch_helpers():
     """``descendants``, ``torchrun`` and ``worker_rank`` of the core's tests/helpers/torchrun_reshard.py."""
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parents[3] / "tests" / "helpers" / "torchrun_reshard.py"
+    path = pathlib.Path(__file__).resolve().parents[4] / "tests" / "helpers" / "torchrun_reshard.py"
     spec = importlib.util.spec_from_file_location("torchrun_reshard_helpers", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
