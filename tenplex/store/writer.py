@@ -171,7 +171,7 @@ class StoreWriter:
         self.tree, self.config = tree, config
         self.sharding = sharding if sharding is not None and sharding.config == config else Sharding(tree, config)
         self.block, self.meta, self.progress = block, dict(meta or {}), progress
-        check_writable(self.meta, f"{self.root}: meta", ShardError, depth_used=1)  # readable back (issue 20)
+        check_writable(self.meta, f"{self.root}: meta", ShardError, depth_used=1)  # what is written must read back
         self.token = token or uuid.uuid4().hex[:16]
         if self.root.exists(MANIFEST):
             raise AlreadyExistsError(f"{self.root}: a committed checkpoint exists; "

@@ -122,7 +122,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         final = os.path.join(root, name)
         if os.path.exists(final):
             raise AlreadyExistsError(f"{final} exists; tenplex never overwrites a checkpoint in place")
-        created = not os.path.lexists(root)  # issue 20: a refused write leaves no empty root behind
+        created = not os.path.lexists(root)  # a refused write leaves no empty root behind
         os.makedirs(root, exist_ok=True)
         tmp = (os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}") if part is None
                else part_folder(root, values.iteration, part.token))
