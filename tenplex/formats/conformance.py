@@ -42,7 +42,7 @@ from tenplex.ptree.tree import PTree
 from tenplex.store.reader import StoreReader
 from tenplex.store.writer import save
 
-__all__ = ["FormatConformance", "global_tensors"]
+__all__ = ["FormatConformance", "count_open_store_files", "global_tensors"]
 
 
 def global_tensors(source) -> dict[str, torch.Tensor]:
@@ -72,6 +72,35 @@ class _FailingSource:
         if self._left < 0:
             raise CorruptShardError("conformance: an injected read error")
         return self._source.read(record, starts, ends)
+
+
+def count_open_store_files(monkeypatch) -> list[int]:
+    """Count the store shard files a writer holds open at once, for the rest of the test.
+
+    Args:
+        monkeypatch: pytest's ``monkeypatch`` fixture (the counting undoes itself after the test).
+
+    Returns:
+        A one-element list whose entry is the peak number of shard files open at the same time
+        so far; it grows as the test writes.
+    """
+    import tenplex.store.writer as writer_module
+
+    live, peak = set(), [0]
+    opened, closed = writer_module._FileWriter.__init__, writer_module._FileWriter.close
+
+    def counting_init(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        live.add(id(self))
+        peak[0] = max(peak[0], len(live))
+
+    def counting_close(self):
+        live.discard(id(self))
+        return closed(self)
+
+    monkeypatch.setattr(writer_module._FileWriter, "__init__", counting_init)
+    monkeypatch.setattr(writer_module._FileWriter, "close", counting_close)
+    return peak
 
 
 def _flip(file: str, offset: int) -> None:

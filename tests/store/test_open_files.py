@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 
-import tenplex.store.writer as writer_module
 from tenplex.api import load_global, reshard, save
+from tenplex.formats.conformance import count_open_store_files
 from tenplex.models import GPTSpec, gpt_tree, random_state
 from tenplex.ptree import ParallelConfig as P, materialize
 
@@ -28,20 +28,7 @@ def _source(root):
 
 def test_reshard_holds_at_most_max_open_files(tmp_path, monkeypatch):
     tree, state = _source(tmp_path)
-    live, peak = set(), [0]
-    opened, closed = writer_module._FileWriter.__init__, writer_module._FileWriter.close
-
-    def counting_init(self, *args, **kwargs):
-        opened(self, *args, **kwargs)
-        live.add(id(self))
-        peak[0] = max(peak[0], len(live))
-
-    def counting_close(self):
-        live.discard(id(self))
-        return closed(self)
-
-    monkeypatch.setattr(writer_module._FileWriter, "__init__", counting_init)
-    monkeypatch.setattr(writer_module._FileWriter, "close", counting_close)
+    peak = count_open_store_files(monkeypatch)
     reshard(f"{tmp_path}/a", f"{tmp_path}/b", WIDE, max_open_files=5)
     assert 1 < peak[0] <= 5
     assert len(list((tmp_path / "b" / "shards").iterdir())) == 128

@@ -299,25 +299,11 @@ def test_api_reshard_of_megatron_to_1024_store_ranks_keeps_open_files_at_the_cap
     at once (Megatron's optimizer state is model-space, so the dp replicas share the (tp, pp)
     ranks' files: 4 files, written at most 2 at a time)."""
     import tenplex
-    import tenplex.store.writer as writer_module
-    from tenplex.formats.conformance import global_tensors
+    from tenplex.formats.conformance import count_open_store_files, global_tensors
     from tenplex.ptree.config import ParallelConfig
     from tenplex.store.reader import StoreReader
 
-    live, peak = set(), [0]
-    opened, closed = writer_module._FileWriter.__init__, writer_module._FileWriter.close
-
-    def counting_init(self, *args, **kwargs):
-        opened(self, *args, **kwargs)
-        live.add(id(self))
-        peak[0] = max(peak[0], len(live))
-
-    def counting_close(self):
-        live.discard(id(self))
-        return closed(self)
-
-    monkeypatch.setattr(writer_module._FileWriter, "__init__", counting_init)
-    monkeypatch.setattr(writer_module._FileWriter, "close", counting_close)
+    peak = count_open_store_files(monkeypatch)
     src, out = str(opt_source / "legacy"), str(tmp_path / "wide")
     to = ParallelConfig(dp=256, tp=2, pp=2)
     assert to.world_size == 1024
