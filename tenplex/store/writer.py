@@ -37,6 +37,7 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, torch_dtype
 from tenplex.store.blocks import DEFAULT_BLOCK, BlockHasher
 from tenplex.store.commit import commit_manifest
+from tenplex.store.host import host_bytes
 from tenplex.limits import short
 from tenplex.store.bounded_json import check_writable
 from tenplex.store.manifest import MANIFEST, FileRecord, Manifest, TensorRecord
@@ -110,9 +111,9 @@ class _FileWriter:
                              f"{str(parts[0].dtype).removeprefix('torch.')}")
         total = 0
         for part in parts:
-            data = part.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._write(data)
-            total += data.nbytes
+            for data in host_bytes(part):  # GPU shards reach the file through a bounded host buffer
+                self._write(data)
+                total += data.nbytes
         self.next += 1
         return total
 

@@ -65,6 +65,8 @@ def _action_flags(add) -> None:
     add("--sharding-type", default="fully_reshardable",
         choices=["fully_reshardable", "dp_reshardable", "fully_sharded_model_space"])
     add("--lr", type=float, default=1e-3)
+    add("--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: the model on this process's GPU (LOCAL_RANK), NCCL, no CPU patches")
 
 
 def parse_args(argv=None, preset: str = "dense") -> argparse.Namespace:

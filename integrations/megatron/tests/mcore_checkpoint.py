@@ -129,7 +129,7 @@ class CheckpointMixin:
         torch = self.torch
         return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                  "torch_rng_state": torch.get_rng_state(),
-                 "cuda_rng_state": torch.get_rng_state(),  # torch.cuda.get_rng_state() on CUDA
+                 "cuda_rng_state": torch.cuda.get_rng_state() if self.a.device == "cuda" else torch.get_rng_state(),
                  "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
 
     def save_legacy(self, root: str):

@@ -28,11 +28,11 @@ class RunMixin:
         inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         pos = torch.arange(a.seq).unsqueeze(0).expand(inputs.shape[0], -1).contiguous()
         mask = torch.triu(torch.ones(a.seq, a.seq, dtype=torch.bool), diagonal=1).view(1, 1, a.seq, a.seq)
-        return inputs, pos, mask, labels
+        return tuple(t.to(a.device) for t in (inputs, pos, mask, labels))
 
     # ------------------------------------------------------------------ fwd/bwd
     def _recv(self, shape, src):
-        t = self.torch.empty(shape, dtype=self.dtype)
+        t = self.torch.empty(shape, dtype=self.dtype, device=self.a.device)
         self.dist.recv(t, src=src)
         return t
 
@@ -97,7 +97,7 @@ class RunMixin:
             finalize_model_grads(self.ddps)
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
-            val = torch.zeros(1)
+            val = torch.zeros(1, device=self.a.device)
             if self.last and self.tp_rank == 0 and self.cp_rank == 0:
                 val[0] = loss.float().mean().item() / self.dp
             self.dist.all_reduce(val)
@@ -122,7 +122,7 @@ class RunMixin:
         if self.last:
             parts = [torch.empty_like(out) for _ in range(self.a.tp)]
             self.dist.all_gather(parts, out.contiguous(), group=self.ps.get_tensor_model_parallel_group())
-            logits = torch.cat(parts, dim=-1)[..., : self.a.vocab].contiguous().float()
+            logits = torch.cat(parts, dim=-1)[..., : self.a.vocab].contiguous().float().cpu()
             if self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 if path.endswith(".safetensors"):

@@ -49,7 +49,9 @@ Model flags beyond the obvious ones: ``--bf16`` (bf16 params, fp32 main params a
 (each expert's weights drawn from its global id); parallelism: ``--tp --pp --vpp --cp --ep --etp``
 (etp defaults to tp), ``--sp on|off`` (default on when tp > 1 and experts); ``--legacy-writer
 expert_dp0|dp0`` (who writes model_optim_rng.pt; Megatron-LM: expert-data-parallel rank 0);
-``--strict on|off`` (load_state_dict strictness).
+``--strict on|off`` (load_state_dict strictness); ``--device cuda``: the model on this process's GPU
+(``LOCAL_RANK``) with NCCL and none of the CPU workarounds below, as Megatron-LM runs it (checkpoints
+then hold ``cuda:N`` storages and CUDA generator states).
 
 CPU workarounds (NOTES.md fact 1; none apply to a dense model at cp = 1):
   * moe_utils.te_general_gemm = None (NameError without TE; --no-te-gemm-fix to see it);
@@ -151,12 +153,15 @@ class Worker(CheckpointMixin, RunMixin):
         import torch
         import torch.distributed as dist
 
-        apply_cpu_patches(a)
+        if a.device == "cpu":
+            apply_cpu_patches(a)
+        else:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         from megatron.core import parallel_state as ps
 
         self.a, self.torch, self.dist, self.ps = a, torch, dist, ps
         t = time.time()
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo" if a.device == "cpu" else "nccl")
         self.world = dist.get_world_size()
         assert self.world % (a.tp * a.pp * a.cp) == 0, "world size must be a multiple of tp*pp*cp"
         ps.initialize_model_parallel(
@@ -258,6 +263,8 @@ class Worker(CheckpointMixin, RunMixin):
                 position_embedding_type=a.position, rotary_base=a.rotary_base,
                 rope_scaling=a.rope_scaling is not None, rope_scaling_factor=a.rope_scaling or 8.0,
                 vp_stage=vp))
+            if a.device == "cuda":  # Megatron-LM's get_model: model_module.cuda(torch.cuda.current_device())
+                self.models[-1].cuda()
             if a.bf16:  # Megatron-LM's Float16Module converts the whole model, norms included
                 self.models[-1].bfloat16()
         if a.names == "te":

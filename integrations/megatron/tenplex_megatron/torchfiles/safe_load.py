@@ -39,7 +39,7 @@ from tenplex.ptree.tree import DTYPES
 from tenplex.store.paths import open_regular, regular_size as regular_file_size  # the one path rule
 
 from tenplex_megatron.torchfiles.restricted_unpickler import MAX_PICKLE_BYTES, Profile, Refused, Rule, unpickle
-from tenplex_megatron.torchfiles.ziprecords import check_stored
+from tenplex_megatron.torchfiles.ziprecords import check_stored, record_sizes
 
 __all__ = ["safe_load", "load_tensor", "tensor_header", "load_meta", "FileView", "TORCH_GLOBALS",
            "TORCH_SAFE_GLOBALS", "MAX_NDIM", "TORCH_DTYPES", "regular_file_size", "open_regular"]
@@ -353,8 +353,12 @@ def _validate_archive(archive, f, start: int, size: int, what: str, rules: dict)
     if not archive.has_record("data.pkl"):
         raise CorruptShardError(f"{what}: the archive has no data.pkl")
 
+    sizes = record_sizes(f, start, what)
+
     def record_size(name: str) -> int:
-        n = archive.get_record_size(name)
+        n = sizes.get(name)
+        if n is None:
+            raise CorruptShardError(f"{what}: record {name} is not in the zip directory")
         if n > size:
             raise CorruptShardError(f"{what}: record {name} claims {n} bytes in a file of {size}")
         return n
@@ -385,7 +389,7 @@ def _validate_archive(archive, f, start: int, size: int, what: str, rules: dict)
             raise Refused(f"record {name} does not exist")
         nbytes = numel * kind.dtype.itemsize
         if record_size(name) != nbytes:
-            raise Refused(f"record {name} holds {archive.get_record_size(name)} bytes, "
+            raise Refused(f"record {name} holds {record_size(name)} bytes, "
                           f"{numel} x {kind.dtype} needs {nbytes}")
         storages[key] = _Storage(kind.dtype, numel, name, archive.get_record_offset(name))
         return storages[key]

@@ -31,7 +31,7 @@ import zipfile
 
 from tenplex.errors import CorruptShardError
 
-__all__ = ["check_stored", "LOCAL_HEADER"]
+__all__ = ["check_stored", "record_sizes", "LOCAL_HEADER"]
 
 LOCAL_HEADER = struct.Struct("<4s22xHH")
 """A zip local file header: signature, 22 bytes, name length, extra length (30 bytes)."""
@@ -66,6 +66,21 @@ def _data_offset(f, start: int, info: zipfile.ZipInfo, name: str, what: str) -> 
     if sig != b"PK\x03\x04":
         raise CorruptShardError(f"{what}: record {name}: no local header at byte {info.header_offset}")
     return info.header_offset + LOCAL_HEADER.size + name_len + extra_len
+
+
+def record_sizes(f, start: int, what: str) -> dict[str, int]:
+    """``{record name: uncompressed bytes}`` of the archive at byte ``start`` of ``f``, from its central
+    directory (names without their top folder, as torch's reader names records).
+
+    Read here rather than asked of torch's reader: ``PyTorchFileReader.get_record_size`` is missing
+    from torch builds tenplex supports (2.11 has none; seen on a GPU machine), while the directory
+    is the same for every version.
+
+    Raises:
+        CorruptShardError: the central directory cannot be read, or two records share a name
+            without regard to case.
+    """
+    return {name: info.file_size for name, info in _directory(f, start, what).items()}
 
 
 def check_stored(f, start: int, records: dict[str, tuple[int, int]] | list[str], what: str) -> None:
