@@ -212,3 +212,25 @@ def ring_fresh(nbytes: int, repeat: int) -> float:
         best = min(best, s)
         del recv
     return best
+
+
+def pattern_fresh(matrix, repeat: int) -> float:
+    """:func:`bench_common.pattern` (``matrix[p][q]`` raw bytes from p to q, all at once) into new,
+    untouched receive buffers each time (made before the timer starts), as the live path receives
+    into new tensors. Best slowest-process seconds."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from bench_common import p2p_exchange, timed
+
+    me = dist.get_rank()
+    sends = [(q, torch.ones(int(n), dtype=torch.uint8)) for q, n in enumerate(matrix[me]) if n and q != me]
+    best = math.inf
+    for _ in range(repeat):
+        recvs = [(p, torch.empty(int(row[me]), dtype=torch.uint8)) for p, row in enumerate(matrix)
+                 if row[me] and p != me]
+        best = min(best, timed(lambda: p2p_exchange(sends, recvs))[1])
+        del recvs
+    return best
