@@ -233,6 +233,7 @@ class _Context:
         self._held: dict = {}
         self._ops: dict = {}
         self._views: dict = {}  # (shards, path, piece index) -> the piece's view
+        self._coords: dict = {}  # (sharding, rank) -> coordinates (a few ranks, many leaves)
 
     def op(self, row: int):
         op = self._ops.get(row)
@@ -244,7 +245,10 @@ class _Context:
         key = (id(sharding), rank, path)
         held = self._held.get(key)
         if held is None:
-            held = self._held[key] = sharding.holding(path, sharding.config.coord(rank))
+            coord = self._coords.get((id(sharding), rank))
+            if coord is None:
+                coord = self._coords[(id(sharding), rank)] = sharding.config.coord(rank)
+            held = self._held[key] = sharding.holding(path, coord)
         return held.pieces[index]
 
     def contiguous(self, row: int, src: bool) -> bool:
