@@ -232,5 +232,4 @@ def pattern_fresh(matrix, repeat: int) -> float:
         recvs = [(p, torch.empty(int(row[me]), dtype=torch.uint8)) for p, row in enumerate(matrix)
                  if row[me] and p != me]
         best = min(best, timed(lambda: p2p_exchange(sends, recvs))[1])
-        del recvs
     return best

@@ -54,7 +54,7 @@ from tenplex.transform.exchange import Clock, exchange
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 from tenplex.transform.local import allocate
 from tenplex.transform.plan import FILL_CODE, LINK_CODE, Link, OpKind, Plan
-from tenplex.transform.streams import MIN_CHUNK, Buffers, Stream, chunk_shares
+from tenplex.transform.streams import MIN_CHUNK, Buffers, chunk_shares
 
 __all__ = ["DistStats", "execute_distributed", "DEFAULT_BUDGET"]
 
