@@ -25,7 +25,8 @@ import time
 
 AGREE = ("gather inputs", "checks", "digest", "gather agree")
 EXECUTOR = ("allocate", "setup", "pack", "post", "local", "wait", "unpack", "store")
-ORDER = ("plan",) + AGREE + EXECUTOR + ("gather confirm", "other", "total")
+ORDER = ("plan",) + AGREE + EXECUTOR + ("gather confirm", "other", "total", "cpu user", "cpu sys",
+                                         "faults MB")
 
 
 def instrument() -> dict:
@@ -48,14 +49,22 @@ def instrument() -> dict:
 
         @functools.wraps(fn)
         def timed_fn(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            u0 = _usage() if name == "reconfigure" else None
             try:
                 out = fn(*args, **kwargs)
             finally:
-                add(label(args) if callable(label) else label, time.perf_counter() - t0)
+                key = label(args) if callable(label) else label
+                add(key, time.perf_counter() - t0)
+                add("cpu " + key, time.thread_time() - c0)
+                if u0 is not None:
+                    for k, before, after in zip(USAGE, u0, _usage()):
+                        add(k, after - before)
             if name == "execute_distributed":
                 for k, v in getattr(out[1], "times", {}).items():
                     add(k, v)
+                for k, v in getattr(out[1], "cpu", {}).items():
+                    add("cpu " + k, v)
                 add("received bytes", out[1].received)
             if name == "make_plan":
                 add("plan rows", len(out.table))
@@ -72,20 +81,38 @@ def instrument() -> dict:
     return times
 
 
+USAGE = ("cpu user", "cpu sys", "faults MB")
+"""Per process, over the whole call (all threads): user and system CPU seconds, and minor page
+faults (first touches of new memory) as MB of 4 KiB pages."""
+
+
+def _usage() -> tuple:
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime, u.ru_stime, u.ru_minflt * 4096 / 1e6
+
+
 def finish(t: dict) -> dict:
-    """``t`` with ``other`` (the call's time outside every named phase) filled in."""
+    """``t`` with ``other`` (the call's time outside every named phase) filled in, in wall and in
+    the calling thread's CPU seconds."""
     t = dict(t)
-    named = sum(t.get(k, 0.0) for k in ("plan",) + AGREE + ("executor", "gather confirm"))
-    t["other"] = t.get("total", 0.0) - named
+    for pre in ("", "cpu "):
+        named = sum(t.get(pre + k, 0.0) for k in ("plan",) + AGREE + ("executor", "gather confirm"))
+        t[pre + "other"] = t.get(pre + "total", 0.0) - named
     return t
 
 
 def table(per_rank: list[dict]) -> str:
-    """One row per phase, one column per process, seconds."""
-    lines = [f"{'phase (s)':<16}" + "".join(f"{'proc ' + str(r):>9}" for r in range(len(per_rank)))]
+    """One row per phase, one column per process: wall seconds, then the calling thread's CPU
+    seconds in the same phase (``cpu user``/``cpu sys`` count every thread of the process)."""
+    head = "".join(f"{'proc ' + str(r):>9}" for r in range(len(per_rank)))
+    lines = [f"{'':<16}{'wall':>36}   {'cpu of the calling thread':>36}", f"{'phase (s)':<16}{head}   {head}"]
     for k in ORDER:
         if any(k in t for t in per_rank):
-            lines.append(f"{k:<16}" + "".join(f"{t.get(k, 0.0):>9.4f}" for t in per_rank))
+            cpu = "" if not any("cpu " + k in t for t in per_rank) else \
+                "   " + "".join(f"{t.get('cpu ' + k, 0.0):>9.4f}" for t in per_rank)
+            lines.append(f"{k:<16}" + "".join(f"{t.get(k, 0.0):>9.4f}" for t in per_rank) + cpu)
     return "\n".join(lines)
 
 
@@ -184,4 +211,25 @@ def ring_fresh(nbytes: int, repeat: int) -> float:
         assert recv[-1] == (rank - 1) % world + 1
         best = min(best, s)
         del recv
+    return best
+
+
+def pattern_fresh(matrix, repeat: int) -> float:
+    """:func:`bench_common.pattern` (``matrix[p][q]`` raw bytes from p to q, all at once) into new,
+    untouched receive buffers each time (made before the timer starts), as the live path receives
+    into new tensors. Best slowest-process seconds."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from bench_common import p2p_exchange, timed
+
+    me = dist.get_rank()
+    sends = [(q, torch.ones(int(n), dtype=torch.uint8)) for q, n in enumerate(matrix[me]) if n and q != me]
+    best = math.inf
+    for _ in range(repeat):
+        recvs = [(p, torch.empty(int(row[me]), dtype=torch.uint8)) for p, row in enumerate(matrix)
+                 if row[me] and p != me]
+        best = min(best, timed(lambda: p2p_exchange(sends, recvs))[1])
     return best

@@ -6,18 +6,20 @@ checks that the digests match). Process ``p`` may hold a source rank
 (``src_of[p]``), a target rank (``dst_of[p]``), both or neither.
 
 - Ops whose source and target live in the same process are local copies.
-- Regions of at least :data:`DIRECT_MIN` bytes that are one contiguous run in
-  both the source and the target shard are sent from the source shard and
-  received into the target tensor directly: no buffer, no copy.
+- Regions of at least :data:`~tenplex.transform.exchange.DIRECT_MIN` bytes
+  that are one contiguous run in both the source and the target shard are
+  sent from the source shard and received into the target tensor directly:
+  no buffer, no copy.
 - The other ops between each ordered pair of processes form a byte stream
   (:mod:`~tenplex.transform.streams`), cut into chunks sized by each
   process's real peers and moved in rounds of batched point-to-point
-  operations. Round 0 is in flight while a process copies what it already
-  holds, and round r + 1 is in flight while round r is unpacked. A region of
-  at least :data:`DIRECT_MIN` bytes that is contiguous at one end only (a
-  row-parallel slice: strided in its source shard, whole rows of its target)
-  is used in place at that end: sent from the shard, or received into the
-  target tensor, with one copy at the other end instead of two.
+  operations (:mod:`~tenplex.transform.exchange`): two rounds are in flight,
+  so round r + 1 is packed while round r moves; local copies run while the
+  first rounds are in flight. A region of at least ``DIRECT_MIN`` bytes that
+  is contiguous at one end only (a row-parallel slice: strided in its source
+  shard, whole rows of its target) is used in place at that end: sent from
+  the shard, or received into the target tensor, with one copy at the other
+  end instead of two.
 - STORE ops (recovery of regions no survivor holds) are range reads from a
   committed store, in a thread pool started before round 0, so they overlap
   the rounds; FILL ops zero new padding.
@@ -35,8 +37,6 @@ so a failure anywhere surfaces here as a TransferError within its bounds.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,19 +50,16 @@ from tenplex.ptree.region import Box, decompose_flat, is_contiguous, relative, s
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import PTree
 from tenplex.transform.comm import Comm
+from tenplex.transform.exchange import Clock, exchange
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 from tenplex.transform.local import allocate
 from tenplex.transform.plan import FILL_CODE, LINK_CODE, Link, OpKind, Plan
-from tenplex.transform.streams import MIN_CHUNK, Buffers, Stream, chunk_shares
+from tenplex.transform.streams import MIN_CHUNK, Buffers, chunk_shares
 
 __all__ = ["DistStats", "execute_distributed", "DEFAULT_BUDGET"]
 
 DEFAULT_BUDGET = 256 << 20
 """Bytes of transfer buffers a process may hold at once (256 MiB)."""
-
-DIRECT_MIN = 256 << 10
-"""Regions of at least this many bytes, contiguous in both the source and the target shard,
-are sent from the source shard and received into the target shard, without buffers."""
 
 STORE_THREADS = 4
 """Store reads in flight at once during recovery."""
@@ -77,7 +74,8 @@ class DistStats:
     bytes of transfer buffers held at once (chunks and store reads); ``peers``
     it exchanged with; ``chunk`` the largest chunk size it used; ``times`` seconds spent per
     phase (``allocate``, ``setup``: row classes and views, ``pack``, ``post``, ``local``:
-    copies within the process, ``wait``: blocked on transfers, ``unpack``, ``store``)."""
+    copies within the process, ``wait``: blocked on transfers, ``unpack``, ``store``), and ``cpu``
+    the CPU seconds of the calling thread in the same phases (without the backend's threads)."""
 
     sent: int = 0
     received: int = 0
@@ -89,6 +87,7 @@ class DistStats:
     chunk: int = 0
     peers: list[int] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
 
 
 def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, comm: Comm,
@@ -132,7 +131,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
                                        memory_budget=memory_budget, store_read=store_read,
                                        device=device, guard=own)
     me, stats = comm.rank, DistStats()
-    clock = _Clock(stats.times)
+    clock = Clock(stats.times, stats.cpu)
     proc_src = _owners(src_of, plan.src.world_size, "source")
     proc_dst = _owners(dst_of, plan.dst.world_size, "target")
     my_dst = dst_of[me]
@@ -140,38 +139,37 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
         out = allocate(tree, plan.dst_sharding(tree), my_dst) if my_dst is not None else None
         if out is not None and torch.device(device).type != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
-    t_setup = time.perf_counter()
-    c = plan.table.cols
-    n = len(c["dst"])
-    src_proc = np.where(c["src"] >= 0, proc_src[np.maximum(c["src"], 0)], -1)
-    dst_proc = proc_dst[c["dst"]] if n else np.zeros(0, dtype=np.int64)
-    fill, store = c["kind"] == FILL_CODE, c["link"] == _STORE
-    cross = (src_proc >= 0) & (src_proc != dst_proc) & ~fill & ~store
-    ctx = _Context(plan, tree, local, out)
-    mine_in = dst_proc == me
-    local_rows = np.nonzero(mine_in & (src_proc == me) & ~store | mine_in & fill)[0]
-    store_rows = np.nonzero(mine_in & store & ~fill)[0]
-    if out is not None and local is not None:
-        local_rows = _share_unchanged(ctx, local_rows, mine_in, stats)
-    if len(store_rows) and store_read is None:
-        op = ctx.op(int(store_rows[0]))
-        raise PlanError(f"plan reads {op.path} {op.region} from a store, but no store was given")
-    sends, recvs = defaultdict(list), defaultdict(list)
-    for row in np.nonzero(cross & (src_proc == me))[0].tolist():
-        sends[int(dst_proc[row])].append(row)
-    for row in np.nonzero(cross & mine_in)[0].tolist():
-        recvs[int(src_proc[row])].append(row)
-    if sends and local is None:
-        raise PlanError(f"process {me} must send but holds no source shards")
-    stats.peers = sorted(set(sends) | set(recvs))
-    # a process with store reads gives half of its budget to them; every process knows which do
-    reading = np.bincount(dst_proc[store & ~fill], minlength=comm.size)[: comm.size] > 0
-    p2p_budget = np.where(reading, memory_budget // 2, memory_budget)
-    shares = chunk_shares(src_proc[cross], dst_proc[cross], comm.size, p2p_budget)
-    buffers = Buffers()
-    reads = _StoreReads(ctx, store_rows, store_read, memory_budget - int(p2p_budget[me]), buffers)
-    pending = guard.pending  # posted exchanges not yet waited for: the guard aborts them on failure
-    stats.times["setup"] = time.perf_counter() - t_setup
+    with clock("setup"):  # which rows go where (every process can tell for every row)
+        c = plan.table.cols
+        n = len(c["dst"])
+        src_proc = np.where(c["src"] >= 0, proc_src[np.maximum(c["src"], 0)], -1)
+        dst_proc = proc_dst[c["dst"]] if n else np.zeros(0, dtype=np.int64)
+        fill, store = c["kind"] == FILL_CODE, c["link"] == _STORE
+        cross = (src_proc >= 0) & (src_proc != dst_proc) & ~fill & ~store
+        ctx = _Context(plan, tree, local, out)
+        mine_in = dst_proc == me
+        local_rows = np.nonzero(mine_in & (src_proc == me) & ~store | mine_in & fill)[0]
+        store_rows = np.nonzero(mine_in & store & ~fill)[0]
+        if out is not None and local is not None:
+            local_rows = _share_unchanged(ctx, local_rows, mine_in, stats)
+        if len(store_rows) and store_read is None:
+            op = ctx.op(int(store_rows[0]))
+            raise PlanError(f"plan reads {op.path} {op.region} from a store, but no store was given")
+        sends, recvs = defaultdict(list), defaultdict(list)
+        for row in np.nonzero(cross & (src_proc == me))[0].tolist():
+            sends[int(dst_proc[row])].append(row)
+        for row in np.nonzero(cross & mine_in)[0].tolist():
+            recvs[int(src_proc[row])].append(row)
+        if sends and local is None:
+            raise PlanError(f"process {me} must send but holds no source shards")
+        stats.peers = sorted(set(sends) | set(recvs))
+        # a process with store reads gives half of its budget to them; every process knows which do
+        reading = np.bincount(dst_proc[store & ~fill], minlength=comm.size)[: comm.size] > 0
+        p2p_budget = np.where(reading, memory_budget // 2, memory_budget)
+        shares = chunk_shares(src_proc[cross], dst_proc[cross], comm.size, p2p_budget)
+        buffers = Buffers()
+        reads = _StoreReads(ctx, store_rows, store_read, memory_budget - int(p2p_budget[me]), buffers)
+        pending = guard.pending  # posted exchanges not yet waited for: the guard aborts them on failure
     try:
         reads.start()
 
@@ -180,7 +178,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
             for row in local_rows.tolist():
                 ctx.local_op(row, stats)
 
-        _exchange(ctx, comm, guard, sends, recvs, shares, buffers, stats, device, meanwhile, pending)
+        exchange(ctx, comm, guard, sends, recvs, shares, buffers, stats, device, meanwhile, pending)
         guard.phase("store read")
         with clock("store"):
             stats.store = reads.finish()
@@ -235,6 +233,7 @@ class _Context:
         self._held: dict = {}
         self._ops: dict = {}
         self._views: dict = {}  # (shards, path, piece index) -> the piece's view
+        self._coords: dict = {}  # (sharding, rank) -> coordinates (a few ranks, many leaves)
 
     def op(self, row: int):
         op = self._ops.get(row)
@@ -246,7 +245,10 @@ class _Context:
         key = (id(sharding), rank, path)
         held = self._held.get(key)
         if held is None:
-            held = self._held[key] = sharding.holding(path, sharding.config.coord(rank))
+            coord = self._coords.get((id(sharding), rank))
+            if coord is None:
+                coord = self._coords[(id(sharding), rank)] = sharding.config.coord(rank)
+            held = self._held[key] = sharding.holding(path, coord)
         return held.pieces[index]
 
     def contiguous(self, row: int, src: bool) -> bool:
@@ -335,143 +337,3 @@ class _StoreReads:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _classify(ctx: _Context, rows: list[int], nbytes: np.ndarray, at_src: bool):
-    """Split one pair's rows: direct ones (large, contiguous at both ends) and the stream's rows,
-    in plan order, with the stream rows' in-place flags at this end and at the other end.
-
-    ``at_src``: this end is the sender. Only rows of at least :data:`DIRECT_MIN`
-    bytes are ever in place (smaller ones are cheaper packed together).
-    """
-    direct, packed, here, there = [], [], [], []
-    for row in rows:
-        if nbytes[row] >= DIRECT_MIN:
-            s, d = ctx.contiguous(row, src=True), ctx.contiguous(row, src=False)
-        else:
-            s = d = False
-        if s and d:
-            direct.append(row)
-            continue
-        packed.append(row)
-        here.append(s if at_src else d)
-        there.append(d if at_src else s)
-    return direct, packed, here, there
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of the contiguous ``t`` as a 1-D uint8 view (never a copy)."""
-    if not t.is_contiguous():
-        raise PlanError(f"a region of shape {list(t.shape)} was expected to be contiguous, found strided")
-    t = t.reshape(-1)
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
-class _Clock:
-    """Seconds spent per phase of this process (``DistStats.times``)."""
-
-    def __init__(self, times: dict):
-        self.times = times
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-
-
-def _exchange(ctx: _Context, comm: Comm, guard: TransferGuard, sends, recvs, shares: np.ndarray,
-              buffers: Buffers, stats: DistStats, device, meanwhile, pending: list) -> None:
-    """Move every pair's bytes: direct regions at once, the rest as chunked streams in rounds.
-
-    Round r + 1 is in flight while round r unpacks. Each stream has two
-    chunk buffers, allocated when first needed and used by even and odd
-    rounds in turn (round r + 2 reuses round r's once it is unpacked); a
-    message in place at one end uses no buffer there. ``pending`` holds the
-    posted exchanges not yet waited for (the guard aborts them on failure).
-    """
-    me, nbytes, clock = comm.rank, ctx.table.cols["nbytes"], _Clock(stats.times)
-    direct_out, direct_in, out_streams, in_streams = [], [], {}, {}
-    with clock("setup"):
-        for p, rows in sends.items():
-            direct, packed, here, there = _classify(ctx, rows, nbytes, at_src=True)
-            direct_out += [(p, ctx.src_view(r)) for r in direct]
-            out_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.src_view, here, there)
-        for p, rows in recvs.items():
-            direct, packed, here, there = _classify(ctx, rows, nbytes, at_src=False)
-            direct_in += [(p, ctx.dst_view(r)) for r in direct]
-            in_streams[p] = Stream(packed, nbytes, min(shares[me], shares[p]), ctx.dst_view, here, there)
-    streams = list(out_streams.values()) + list(in_streams.values())
-    rounds = max([s.chunks for s in streams] + [0])
-    stats.chunk = max([s.chunk for s in streams if s.chunks] + [0])
-
-    slots: dict = {}  # two buffers per stream, used by even and odd rounds in turn
-
-    def buffer(key, s: Stream, r: int) -> torch.Tensor:
-        buf = slots.get((key, r % 2))
-        if buf is None:
-            buf = slots[(key, r % 2)] = torch.empty(s.chunk, dtype=torch.uint8, device=device)
-            buffers.take(s.chunk)
-        return buf
-
-    def post(r):
-        send_bufs, recv_bufs, unpacks = [], [], []
-        with clock("pack"):
-            for p, s in out_streams.items():
-                if r < s.chunks:
-                    for at, n, spans, in_place in s.messages(r):
-                        if in_place:
-                            send_bufs.append((p, s.in_place(spans[0])))
-                        else:
-                            buf = buffer(("out", p), s, r)[at: at + n]
-                            s.pack(r, buf, [(i, x, y, a - at) for i, x, y, a in spans])
-                            send_bufs.append((p, buf))
-        for p, s in in_streams.items():
-            if r < s.chunks:
-                for at, n, spans, in_place in s.messages(r):
-                    if in_place:
-                        recv_bufs.append((p, s.in_place(spans[0])))
-                    else:
-                        buf = buffer(("in", p), s, r)[at: at + n]
-                        recv_bufs.append((p, buf))
-                        unpacks.append((s, buf, [(i, x, y, a - at) for i, x, y, a in spans]))
-        stats.sent += sum(b.numel() for _, b in send_bufs)
-        stats.received += sum(b.numel() for _, b in recv_bufs)
-        with clock("post"):
-            pending.append(comm.start(send_bufs, recv_bufs))
-        return unpacks, pending[-1]
-
-    def wait(w) -> None:
-        with clock("wait"):
-            guard.wait(w)
-        pending.remove(w)
-
-    direct_wait = None
-    if direct_out or direct_in:  # zero-copy: views of the source shards and the target tensors
-        with clock("post"):
-            direct_wait = comm.start([(p, _flat(t)) for p, t in direct_out],
-                                     [(p, _flat(t)) for p, t in direct_in])
-        pending.append(direct_wait)
-        stats.sent += sum(t.numel() * t.element_size() for _, t in direct_out)
-        stats.received += sum(t.numel() * t.element_size() for _, t in direct_in)
-    current = post(0) if rounds else None
-    guard.phase("first round")
-    with clock("local"):
-        meanwhile()
-    for r in range(rounds):
-        if r == rounds // 2 and rounds >= 2:
-            guard.phase("middle round")
-        guard.phase_name = f"round {r + 1} of {rounds}"
-        unpacks, w = current
-        wait(w)
-        current = post(r + 1) if r + 1 < rounds else None
-        with clock("unpack"):
-            for s, buf, spans in unpacks:
-                s.unpack(r, buf, spans)
-        stats.rounds += 1
-    if direct_wait is not None:
-        guard.phase_name = "direct transfers"
-        wait(direct_wait)
-    buffers.give(sum(b.numel() for b in slots.values()))

@@ -121,7 +121,8 @@ class Stream:
     Args:
         rows: plan rows, in plan order.
         nbytes: ``[all rows]`` bytes per row.
-        chunk: chunk size in bytes (the same at both ends).
+        chunk: chunk size in bytes (the same at both ends); a stream shorter than that is
+            one chunk of its own length.
         view: ``view(row) -> tensor``, the row's region at this end.
         here, there: ``[len(rows)]`` bool, whether a row is in place at this
             end, and at the other end (default: nowhere).
@@ -132,7 +133,7 @@ class Stream:
         self.rows, self.view = rows, view
         self.starts = np.concatenate(([0], np.cumsum(nbytes[rows]))).astype(np.int64)
         self.total = int(self.starts[-1])
-        self.chunk = int(chunk)
+        self.chunk = int(min(chunk, self.total)) if self.total else int(chunk)  # no larger than the stream
         self.chunks = -(-self.total // self.chunk) if self.total else 0
         none = np.zeros(len(rows), dtype=bool)
         self.here = none if here is None else np.asarray(here, dtype=bool)

@@ -221,6 +221,62 @@ def test_execute_distributed_chunks_follow_the_plans_peers_at_64_processes():
     assert max(comm.sizes) == budget // 2         # not budget / (4 * 63) -> 64 KiB
 
 
+# -- rounds: two in flight, chunks capped -------------------------------------------------
+
+class Timeline(Comm):
+    """Process 0 of a two-process group that only sends: records when each batch is posted and
+    when it is waited for, and the size of every message."""
+
+    def __init__(self):
+        self.rank, self.size, self.events, self.sizes = 0, 2, [], []
+
+    def start(self, sends, recvs):
+        assert not recvs
+        k = sum(1 for e in self.events if e[0] == "post")
+        self.events.append(("post", k))
+        self.sizes += [t.numel() * t.element_size() for _, t in sends]
+        return lambda: self.events.append(("wait", k))
+
+
+def _packed_tree(leaves: int):
+    """``leaves`` leaves of 200 KB: below the direct-transfer size, so they travel in chunks."""
+    tree = PTree({f"w{i}": TensorLeaf((50, 1000), "float32", Layout(Stage.of_layer(0)))
+                  for i in range(leaves)}, num_layers=1)
+    return tree, {f"w{i}": torch.randn(50, 1000) for i in range(leaves)}
+
+
+def test_the_next_round_is_posted_before_the_current_one_is_waited_for():
+    # 8 MB in chunks of 256 KiB: round r + 1 is packed and posted while round r moves
+    tree, local = _packed_tree(40)
+    comm = Timeline()
+    _, stats = execute_distributed(make_plan(tree, P(), P()), tree, local, comm, [0, None],
+                                   [None, 0], memory_budget=512 << 10)
+    assert stats.rounds > 4 and sum(comm.sizes) == 40 * 200_000
+    at = {e: i for i, e in enumerate(comm.events)}
+    for r in range(1, stats.rounds):
+        assert at[("post", r)] < at[("wait", r - 1)], comm.events
+        if r >= 2:  # round r reuses round r - 2's buffers: posted only once that one is done
+            assert at[("post", r)] > at[("wait", r - 2)], comm.events
+
+
+def test_chunks_stay_small_under_a_large_budget():
+    # 12 MB to one peer with a 1 GiB budget: several chunks of at most MAX_CHUNK, not one of 12 MB
+    from tenplex.transform.exchange import MAX_CHUNK
+
+    tree, local = _packed_tree(60)
+    comm = Timeline()
+    _, stats = execute_distributed(make_plan(tree, P(), P()), tree, local, comm, [0, None],
+                                   [None, 0], memory_budget=1 << 30)
+    assert sum(comm.sizes) == 60 * 200_000
+    assert max(comm.sizes) == stats.chunk == MAX_CHUNK and stats.rounds == 2
+    assert stats.peak_buffer <= 2 * MAX_CHUNK
+    # a stream shorter than its chunk share holds a buffer of its own length, not of the share
+    tree, local = _packed_tree(1)
+    _, stats = execute_distributed(make_plan(tree, P(), P()), tree, local, Timeline(), [0, None],
+                                   [None, 0], memory_budget=1 << 30)
+    assert stats.peak_buffer == stats.chunk == 200_000
+
+
 # -- regions contiguous at one end only are used in place there ----------------------------
 
 class Recorder(Comm):
