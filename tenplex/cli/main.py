@@ -153,26 +153,12 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _huge_pages() -> None:
-    """Ask torch to back CPU tensors of 2 MiB or more with transparent huge pages.
-
-    A conversion reads every byte into fresh buffers; with 4 KiB pages each buffer costs a
-    page fault per page (2 GB: about 500,000 faults, 0.7-1 s of kernel time, measured on
-    ``tenplex reshard ... --format hf``). torch's allocator (``c10/core/alloc_cpu.cpp``)
-    aligns such buffers to 2 MiB and calls ``madvise(MADV_HUGEPAGE)`` when
-    ``THP_MEM_ALLOC_ENABLE`` is set; it reads the variable once, at the first CPU tensor,
-    so this runs before any. A value the user set is kept.
-    """
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
 def _input(args: argparse.Namespace) -> str:
     """What the command read: its source path (``src`` or ``path``), else its name."""
     return str(getattr(args, "src", None) or getattr(args, "path", None) or args.command)
 
 
 def main(argv: list[str] | None = None) -> int:
-    _huge_pages()
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(plugins=not _core_command(argv))
     args = parser.parse_args(argv)
