@@ -220,5 +220,5 @@ def test_the_parts_split_the_shard_files_by_bytes_each_file_once():
     sizes = [100, 5, 5, 90, 3]
     split = [my_files(sizes, Part(i, 2, "t")) for i in range(2)]
     assert sorted(f for files in split for f in files) == list(range(len(sizes)))
-    assert sorted(sum(sizes[f] for f in files) for files in split) == [100, 103]  # {100} and {90, 5, 5, 3}
+    assert sorted(sum(sizes[f] for f in files) for files in split) == [100, 103]  # {90, 5, 5} and {100, 3}
     assert [my_files([100], Part(i, 4, "t")) for i in range(4)] == [[0], [], [], []]
