@@ -109,7 +109,8 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
         dtype: ``float32``, ``bfloat16`` or ``float16``; None keeps the parameters' dtype.
             ``float32`` from a checkpoint with fp32 main params exports those.
         max_shard_size: the largest output file (bytes or ``"5GB"``), default 5 GB.
-        threads: stored tensors read at once.
+        threads: stored tensors read at once, at most the CPUs this process may run on
+            (:func:`_cpus`).
         progress: ``progress(done_bytes, total_bytes)`` of global tensors built.
         budget: bytes of global tensors built ahead, and of tensors waiting to be written, at once;
             default a quarter of the largest output shard, within [64 MiB, 512 MiB] (the process
@@ -169,7 +170,8 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
     collecting = gc.isenabled()
     gc.disable()  # a full collection walks every object torch made, holding the GIL the readers need
     try:
-        sizes, needed = _write(source, files, names, mine, geometry(cfg, fields), tdtype, tmp, threads, progress,
+        sizes, needed = _write(source, files, names, mine, geometry(cfg, fields), tdtype, tmp,
+                               max(1, min(threads, _cpus())), progress,
                                budget)
         if part is None:
             write_meta(tmp, index, config)
@@ -192,6 +194,16 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
             gc.enable()
     return {"bytes_written": sum(sizes.values()), "bytes_needed": needed, "files": len(mine),
             "family": family.name, "padding": [], "notes": notes, **({"part": report} if part else {})}
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on. The reads copy from the page cache and the transforms are
+    CPU work: more threads than CPUs only contend (2 CPUs, in-process export of 2 GB, 8 threads
+    against 2, alternating: 15.9, 6.5, 4.8 s against 6.1, 5.6, 3.8 s, the same CPU seconds)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _name(i: int, n: int) -> str:
