@@ -100,7 +100,26 @@ def command_names() -> list[str]:
     return list(COMMANDS) + sorted(plugin_commands())
 
 
-def build_parser() -> argparse.ArgumentParser:
+_GLOBAL_VALUES = ("--model-config", "--iteration")
+"""The global options that take a value (their value is not the command)."""
+
+
+def _core_command(argv: list[str]) -> bool:
+    """Whether ``argv`` names a core command (then the plugins' commands, and the modules they
+    import, are not loaded: ``tenplex_megatron.demo`` took 0.1-0.4 s of every start-up)."""
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in _GLOBAL_VALUES:
+            skip = True
+        elif not token.startswith("-"):
+            return token in COMMANDS
+    return False
+
+
+def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
+    """The ``tenplex`` parser; ``plugins=False`` leaves the plugins' commands out."""
     parser = argparse.ArgumentParser(
         prog="tenplex", description="Plan and move training state between parallel configs "
                                     "(dp, tp, pp, cp, ep, etp, vpp).")
@@ -113,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (text, add_arguments) in COMMANDS.items():
         add_arguments(sub.add_parser(name, help=text))
-    for name, command in sorted(plugin_commands().items()):  # e.g. the Megatron integration's demo
+    for name, command in sorted(plugin_commands().items() if plugins else ()):  # e.g. the Megatron demo
         p = sub.add_parser(name, help=command.help)
         command.add_arguments(p)
         p.set_defaults(tenplex_command=command)
@@ -140,7 +159,8 @@ def _input(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(plugins=not _core_command(argv))
     args = parser.parse_args(argv)
     from tenplex.cli import commands
 

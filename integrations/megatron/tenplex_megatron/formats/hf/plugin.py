@@ -2,7 +2,9 @@
 
 Format options (:mod:`tenplex.formats.protocol`): ``hf_arch`` (``--hf-arch``),
 ``dtype`` (``--dtype``), ``max_shard_size`` (``--max-shard-size``, bytes),
-besides ``model_config``, ``threads``, ``progress`` and ``checksums``.
+besides ``model_config``, ``threads``, ``progress`` and ``checksums``. It writes
+in parts (``parts = True``: ``write(..., part=)``, ``commit``, ``abort``; see
+:mod:`tenplex_megatron.formats.hf.parts`), for ``tenplex reshard`` under torchrun.
 """
 
 from __future__ import annotations
@@ -49,8 +51,25 @@ class _HF:
 
         r = export_hf(source, path, hf_arch=options.get("hf_arch"), dtype=options.get("dtype"),
                       max_shard_size=options.get("max_shard_size"), threads=options.get("threads", 8),
-                      progress=options.get("progress"))
+                      progress=options.get("progress"), part=options.get("part"))
         return written(r, source.bytes_read)
+
+    parts = True
+
+    @staticmethod
+    def commit(path: str, to: ParallelConfig | None, parts: list, part, **options) -> WriteResult:
+        """Commit a write in parts: check every part's files, write the index and config, rename into place."""
+        from tenplex_megatron.formats.hf.parts import commit_hf
+
+        return written(commit_hf(path, parts, part.token), 0)
+
+    @staticmethod
+    def abort(path: str, part, everything: bool = False) -> None:
+        """Remove the run's temporary folder (``everything``); a part removes its own files as it fails."""
+        from tenplex_megatron.formats.hf.parts import abort_hf
+
+        if everything:
+            abort_hf(path, part.token)
 
     @staticmethod
     def verify(path: str, **options) -> VerifyResult:

@@ -14,15 +14,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hf_cases import FORMATS, export, hf_logits, reference, source_cache
+from hf_cases import FORMATS, export, hf_logits, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def hf_sources(tmp_path_factory):
-    return source_cache(tmp_path_factory.mktemp("hf_src"))
 
 
 @pytest.mark.parametrize("n,parallel", [(4, "--tp 2 --pp 2"), (2, "--pp 2 --vpp 2")], ids=["tp2pp2", "pp2vpp2"])

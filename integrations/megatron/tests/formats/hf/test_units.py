@@ -209,3 +209,16 @@ def test_a_link_out_of_an_hf_directory_is_refused(tmp_path):
     (model / "config.json").symlink_to(secret)
     with pytest.raises(TenplexError, match="config.json"):
         read_config(str(model))
+
+
+def test_the_parts_split_the_shard_files_by_bytes_each_file_once():
+    """Under torchrun each process writes whole shard files, heaviest first onto the least loaded
+    process; fewer files than processes leave processes idle."""
+    from tenplex.formats.protocol import Part
+    from tenplex_megatron.formats.hf.parts import my_files
+
+    sizes = [100, 5, 5, 90, 3]
+    split = [my_files(sizes, Part(i, 2, "t")) for i in range(2)]
+    assert sorted(f for files in split for f in files) == list(range(len(sizes)))
+    assert sorted(sum(sizes[f] for f in files) for files in split) == [100, 103]  # {90, 5, 5} and {100, 3}
+    assert [my_files([100], Part(i, 4, "t")) for i in range(4)] == [[0], [], [], []]
