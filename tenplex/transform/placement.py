@@ -52,9 +52,21 @@ class Placement:
 
     @classmethod
     def contiguous(cls, world_size: int, per_host: int = 8, first: int = 0) -> "Placement":
-        """Rank ``r`` on device ``(first + r) % per_host`` of host ``h{(first + r) // per_host}``."""
-        return cls(tuple(Device(f"h{(first + r) // per_host}", (first + r) % per_host)
-                         for r in range(world_size)))
+        """Rank ``r`` on device ``(first + r) % per_host`` of host ``h{(first + r) // per_host}``.
+
+        The placement remembers its rule (:meth:`contiguous_rule`), so a planner computes its
+        device arrays by arithmetic; its devices are distinct by construction (not checked).
+        """
+        made = object.__new__(cls)
+        object.__setattr__(made, "devices", tuple(Device(f"h{(first + r) // per_host}",
+                                                         (first + r) % per_host)
+                                                  for r in range(world_size)))
+        object.__setattr__(made, "_rule", (per_host, first))
+        return made
+
+    def contiguous_rule(self) -> tuple[int, int] | None:
+        """``(per_host, first)`` if :meth:`contiguous` made this placement, else ``None``."""
+        return self.__dict__.get("_rule")
 
     @classmethod
     def of(cls, devices: Sequence[Device | str]) -> "Placement":
