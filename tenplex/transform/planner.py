@@ -167,17 +167,17 @@ def _part(src: ParallelConfig, dst: ParallelConfig, ranks, senders):
     return targets, sending
 
 
-def deal(candidates: np.ndarray, pos: np.ndarray, phase: np.ndarray, index: int) -> np.ndarray:
-    """The source of each row among ``candidates``: a function of the row alone.
+def deal(candidates: np.ndarray, pos: np.ndarray, phase: np.ndarray, turn: int) -> np.ndarray:
+    """The source of each row among ``candidates``: a function of the row and its leaf alone.
 
-    Row ``i`` gets ``candidates[(pos[i] + phase[i] * c / 65536 + index) % c]``:
+    Row ``i`` gets ``candidates[(pos[i] + phase[i] * c / 65536 + turn) % c]``:
     a target's replicas go to successive sources; targets that need other
-    parts of one source piece (a tp merge) start at other sources; each
-    leaf starts one source further. On GPT-3 175B (16 layers) the busiest
-    sender then carries 1.27x, 1.54x, 1.35x and 1.88x the even share in the
-    four changes of bench/plan_scale.py's balance check, against 1.26x,
-    1.24x, 1.35x and 1.76x with the least-loaded deal it replaces (which
-    needs every other target's choices, so no process could plan alone).
+    parts of one source piece (a tp merge) start at other sources; and
+    ``turn`` (:meth:`_Builder._turn`) starts each leaf where the last leaf of
+    its kind left off, so the leaves of a kind (a weight, its optimizer
+    states, the same weight in the next layer) take turns over the replicas. No choice depends on what other
+    targets were given, so a process can plan its own part alone and get the
+    whole plan's choices.
 
     Args:
         candidates: ``[c]`` int64 live source ranks that hold the rows' box
@@ -185,13 +185,13 @@ def deal(candidates: np.ndarray, pos: np.ndarray, phase: np.ndarray, index: int)
         pos: ``[rows]`` int64, each row's target's position among its replicas.
         phase: ``[rows]`` int64, where the row's box lies in its source
             piece, in 1/65536 turns.
-        index: the leaf's number in tree order.
+        turn: the leaf's turn (see above).
 
     Returns:
         ``[rows]`` int64 source ranks.
     """
     n = len(candidates)
-    return candidates[(pos + (phase * n >> 16) + index) % n]
+    return candidates[(pos + (phase * n >> 16) + turn) % n]
 
 
 @contextlib.contextmanager
@@ -283,6 +283,8 @@ class _Builder:
         self.sides = () if part is None else (  # (sharding, coords of the part's ranks) per side
             (dst_sharding, [dst_sharding.config.coord(r) for r in np.nonzero(part[0])[0].tolist()]),
             (src_sharding, [src_sharding.config.coord(r) for r in np.nonzero(part[1][:-1])[0].tolist()]))
+        self.kinds: dict = {}  # (shape, split, itemsize) -> [cursor at first sight, widths since]
+        self.cursor = 0  # the widths of the leaves so far (see _turn)
         self.near_stage: dict = {}  # Stage -> whether a rank of the part runs it
         self.templates: dict = {}
         self.columns: list[dict] = []  # per leaf: its ops' OpTable columns
@@ -310,6 +312,7 @@ class _Builder:
                 axis = leaf.layout.padding.axis
                 self.padding.append(PaddingChange(path, axis, leaf.shape[axis], src_shape[axis],
                                                   dst_shape[axis]))
+        turn = self._turn(leaf)
         if self.part is not None and not self._wanted(path, leaf):
             return  # none of the part's targets holds it, none of its senders: no op of the part
         key = signature(self.src_sharding, self.dst_sharding, leaf)
@@ -328,7 +331,7 @@ class _Builder:
             for s in dict.fromkeys(rows.seg[missing].tolist()):
                 boxes.append(_box(segments, s, len(leaf.shape)))
             return
-        src = self._choose(choice, rows.pos, segments.phase[rows.seg], index)
+        src = self._choose(choice, rows.pos, segments.phase[rows.seg], turn)
         keep = slice(None)
         if self.part is not None:
             keep = np.nonzero(self.part[0][rows.dst] | self.part[1][src])[0]
@@ -341,6 +344,31 @@ class _Builder:
             "dst_piece": segments.dst_piece[seg], "nbytes": segments.volume[seg] * itemsize,
             "kind": segments.kinds[alt, seg], "link": choice.link[keep],
         })
+
+    def _turn(self, leaf: TensorLeaf) -> int:
+        """The leaf's turn in :func:`deal`, a round robin over the replicas that goes on from
+        leaf to leaf, as a least-loaded deal would, without looking at any other target.
+
+        Each leaf advances a cursor by its width: the target ranks that hold each of its pieces
+        (``dp * cp`` target ranks for a dense leaf, ``edp`` for an expert's, one for a dp-sharded
+        buffer's), so the next leaf's targets start at the replica after the last one used. The
+        turn of a leaf is the cursor where its kind (shape, tp split and dtype) was first seen,
+        plus the widths of the leaves of its kind before it: leaves of a kind need the same
+        bytes from the same places of their pieces and take turns over the replicas; other
+        kinds start elsewhere. Every leaf counts, whether or not a partial plan emits its
+        ops (a dictionary update per leaf).
+        """
+        dst, layout = self.dst_sharding.config, leaf.layout
+        width = 1 if layout.dp_shard is not None else dst.edp if layout.expert is not None \
+            else dst.dp * dst.cp
+        key = (leaf.shape, layout.split, leaf.itemsize)
+        seen = self.kinds.get(key)
+        if seen is None:
+            seen = self.kinds[key] = [self.cursor, 0]
+        turn = seen[0] + seen[1]
+        seen[1] += width
+        self.cursor += width
+        return turn
 
     def _wanted(self, path: str, leaf: TensorLeaf) -> bool:
         """Whether a target rank of the part holds ``path`` under the target config, or a
@@ -358,18 +386,18 @@ class _Builder:
                             for sharding, coords in self.sides for c in coords)
 
     @staticmethod
-    def _choose(choice: Choice, pos: np.ndarray, phase: np.ndarray, index: int) -> np.ndarray:
+    def _choose(choice: Choice, pos: np.ndarray, phase: np.ndarray, turn: int) -> np.ndarray:
         """Source ranks for every row: the static choices, then each group's rows dealt out.
 
         Args:
             choice: the template's static choices.
             pos: ``[rows]`` int64, each row's target's position among its replicas.
             phase: ``[rows]`` int64, where each row's box lies in its source piece.
-            index: the leaf's number in tree order.
+            turn: the leaf's turn (:meth:`_turn`).
         """
         src = choice.src.copy()
         for candidates, rows in choice.host_groups + choice.net_groups:
-            src[rows] = deal(candidates, pos[rows], phase[rows], index)
+            src[rows] = deal(candidates, pos[rows], phase[rows], turn)
         return src
 
     # -- results ---------------------------------------------------------------

@@ -60,8 +60,9 @@ class Rows:
         dst: ``[rows]`` int64, each row's target rank.
         seg: ``[rows]`` int64, each row's segment.
         pos: ``[rows]`` int64, each row's target's position among the ranks
-            of its target holder class (its replicas), which deals the
-            sources out (:func:`~tenplex.transform.planner.deal`).
+            of its target holder class (its replicas) that share its own-device
+            pool, which deals the sources out
+            (:func:`~tenplex.transform.planner.deal`).
         unheld: elements the counted targets need that no pool on their own
             device holds: the lower bound of elements moved (FILL excluded).
         prefer: per target class, ``[its ranks]`` int64: the pool on each
@@ -197,7 +198,7 @@ class TemplateMaker:
         unheld = 0
         prefers = []
         for k, (ranks, _) in enumerate(g.dst_classes):
-            place = np.arange(len(ranks))
+            place = _positions(g.class_of_src[self.devices.src_on_device[ranks]])
             counted = np.ones(len(ranks), dtype=bool)
             if self.part is not None:
                 counted = self.part[0][ranks]
@@ -385,3 +386,18 @@ def _phase(box, piece) -> int:
     """Where ``box`` lies in ``piece``: sum over axes of relative offset / size, in 1/65536 turns."""
     turn = sum((o - p) / n for o, p, n in zip(box.offsets, piece.offsets, piece.sizes))
     return int(turn % 1 * 65536)
+
+
+def _positions(prefer: np.ndarray) -> np.ndarray:
+    """``[ranks]`` int64: each rank's position among the ranks of its class with the same
+    own-device pool (``prefer``), in rank order: the targets that share a group of sources.
+
+    A function of the whole class, so a partial plan deals its targets as the whole plan does.
+    """
+    order = np.argsort(prefer, kind="stable")
+    sorted_prefer = prefer[order]
+    starts = np.r_[0, np.nonzero(sorted_prefer[1:] != sorted_prefer[:-1])[0] + 1]
+    first = np.repeat(starts, np.diff(np.r_[starts, len(prefer)]))
+    out = np.empty(len(prefer), dtype=np.int64)
+    out[order] = np.arange(len(prefer)) - first
+    return out

@@ -90,3 +90,25 @@ def test_ranks_outside_the_configs_are_refused():
         make_plan(tree, P(dp=2), P(dp=4), ranks=[4])
     with pytest.raises(ConfigError, match="source rank -1 is not a rank of"):
         make_plan(tree, P(dp=2), P(dp=4), senders=[-1])
+
+
+@pytest.mark.parametrize("dst", [P(dp=1, tp=4), P(dp=4, tp=1)])
+def test_every_replica_sends_its_share(dst):
+    # the fail-together tests' change (dp 2, tp 2 -> dp 1, tp 4, Adam with replicas): each piece
+    # has two live replicas, and the choice between them is a function of the target and the
+    # leaf alone; it must still spread the bytes over both, leaf after leaf, as a least-loaded
+    # deal does (a rule that sent every leaf from one replica made senders 1.6 KB / 86 KB /
+    # 82 KB / 1.6 KB, and a dying peer then hung the survivors that waited on the busy ones)
+    from tenplex.transform.template import LOCAL, STORE
+
+    from tests.helpers.elastic_workers import CONFIG, REPLICATED
+
+    plan = make_plan(REPLICATED, CONFIG, dst)
+    c = plan.table.cols
+    moved = (c["link"] != LOCAL) & (c["link"] != STORE)
+    sent = np.bincount(c["src"][moved], weights=c["nbytes"][moved], minlength=4)
+    assert sent.min() > 0 and sent.max() <= 1.15 * sent.mean(), sent.tolist()
+    parts = [make_plan(REPLICATED, CONFIG, dst, senders=[r]).table.cols for r in range(4)]
+    for r, part in enumerate(parts):  # each sender's own plan says the same
+        mine = (part["src"] == r) & (part["link"] != LOCAL) & (part["link"] != STORE)
+        assert part["nbytes"][mine].sum() == sent[r]
