@@ -10,20 +10,21 @@ is covered, exactly once, by boxes of live source pieces
 copies). The choice among them:
 
 1. a source on the target's own device: nothing moves;
-2. else a source on the target's host; among several, the least loaded;
-3. else the least loaded source anywhere.
+2. else a source on the target's host; among several, one dealt out;
+3. else one dealt out among the live sources anywhere.
 
 Targets that need the same box from the same pool of replicas are dealt
-out over the pool's live ranks (on the target's host, if any) by their
-position among their own replicas, rotated by one rank per leaf
-(:func:`deal`): replicas of a target spread over all sources, and
-successive leaves start at another source, which keeps the busiest
-sender's bytes close to the even share. Every choice is a function of the
-target, the leaf and the live ranks alone, never of what other targets
-were given, so a process can plan only its own part:
-``make_plan(..., ranks=R, senders=S)`` gives exactly the ops of the whole
-plan whose target is in ``R`` or whose source is in ``S``, at a cost that
-grows with what those ranks hold. Padding that only the target has becomes
+out over the pool's live ranks (on the target's host, if any) round robin
+(:func:`deal`): by their position among the targets that share that pool,
+by where the box lies in the source piece, and by a turn that goes on from
+leaf to leaf, so the busiest sender's bytes stay close to the even share
+(``bench/plan_scale.py`` prints the busiest sender beside the even share).
+Every choice is a function of the target, the leaf, the tree order and
+the live ranks alone, never of what other targets were given, so a
+process can plan only its own part: ``make_plan(..., ranks=R, senders=S)``
+gives exactly the ops of the whole plan whose target is in ``R`` or whose
+source is in ``S``, at a cost that grows with what those ranks hold.
+Padding that only the target has becomes
 FILL ops.
 Boxes no live source holds raise :class:`~tenplex.errors.MissingDataError`,
 or become STORE reads with ``store_fallback=True``.
