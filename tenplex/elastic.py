@@ -11,9 +11,13 @@ calls the same function. Each process may hold a rank of the old config
 For :func:`reconfigure`, process ``p`` holds old rank ``p`` (if ``p`` < old
 world size) unless ``src_of`` says otherwise. For :func:`recover`, every
 survivor declares the old rank it holds (``old_rank=``), or the caller passes
-``src_of``: torchrun renumbers survivors, so no default is safe. Process
-``p`` holds new rank ``p`` (if ``p`` < new world size) unless ``dst_of``
-says otherwise.
+``src_of``: torchrun renumbers survivors, so no default is safe. For
+:func:`recover`, process ``p`` holds new rank ``p`` (if ``p`` < new world
+size) unless ``dst_of`` says otherwise. :func:`reconfigure` renumbers by
+default: the new ranks go to the processes that keep the most bytes in
+place (``report.dst_of``; the numbering above where it keeps as many), and
+the caller forms its new group in that order; ``renumber=False`` or a
+given ``dst_of`` keeps the numbering.
 
 Before any byte moves, every process checks that all were called with the
 same arguments, that the process mapping is consistent, that every local
@@ -29,6 +33,7 @@ raises :class:`~tenplex.errors.TransferError` everywhere within ``timeout``
 Usage, inside ``torch.distributed`` (see docs/elastic.md for torchrun recipes)::
 
     state, report = tenplex.reconfigure(state, tree, old, new)       # all processes
+    new_rank = report.dst_of[my_process]                                # renumbered
     state, report = tenplex.recover(state, tree, cfg, cfg, lost={3}, old_rank=my_old_rank,
                                     store=last_ckpt)
 """
@@ -80,9 +85,10 @@ class ReconfigureReport:
         steps_kept: for :func:`recover` with ``step_path``, the steps of
             progress kept against restarting from the store's checkpoint.
         dst_of: per process, the new rank it holds (the numbering used; with
-            ``renumber=True`` the best one, so read this process's entry).
-        placement_bound: with ``renumber=True``, the bytes no numbering of the new ranks can
-            avoid moving (:func:`~tenplex.transform.assign.placement_bound`); else ``None``.
+            renumbering the best one, so read this process's entry).
+        placement_bound: when renumbering was asked for, the bytes no numbering of the new
+            ranks can avoid moving (:func:`~tenplex.transform.assign.placement_bound`); else
+            ``None``.
     """
 
     sent: int = 0
@@ -117,7 +123,7 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
                 dst: ParallelConfig, *, group=None, comm: Comm | None = None,
                 src_of: Sequence[int | None] | None = None, dst_of: Sequence[int | None] | None = None,
                 alive=None, store=None, memory_budget: int = DEFAULT_BUDGET,
-                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT, renumber: bool = False):
+                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT, renumber: bool = True):
     """This process's state under ``dst``, moved from the other processes without a checkpoint.
 
     Args:
@@ -140,10 +146,12 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
 
         renumber: give the new ranks to the processes that keep the most bytes in place
             (:func:`~tenplex.transform.assign.best_numbering`: optimal per component of the
-            bytes-in-common matrix) instead of ``dst_of``'s numbering; this process's new rank
-            is then ``report.dst_of[process]``, and the caller forms its new group in that
-            order. Off by default: callers that take process ``p`` for new rank ``p``
-            (torchrun's numbering) stay correct. Not with ``dst_of``.
+            bytes-in-common matrix; the default numbering where it keeps as many). On by
+            default: this process's new rank is then ``report.dst_of[process]``, and the
+            caller forms its new group in that order
+            (:meth:`tenplex_megatron.live.Membership.form` takes it). ``False`` keeps the
+            default numbering (process ``p`` holds new rank ``p``, torchrun's); a given
+            ``dst_of`` is always kept.
 
     Returns:
         ``(state, report)``: the new ``{path: local tensor or value}``
@@ -222,8 +230,7 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
     start = time.perf_counter()
     comm = _comm(group, comm, device)
     me = comm.rank
-    if renumber and dst_of is not None:
-        raise PlanError(f"{what}: renumber=True chooses dst_of; pass one or the other")
+    renumber = renumber and dst_of is None  # a given numbering is kept
     dst_of = list(dst_of) if dst_of is not None else default_mapping(comm.size, src, dst)[1]
     bound = None
     with TransferGuard(comm, timeout=timeout, what=what) as guard:
@@ -253,7 +260,7 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
             held = {r for r in src_of if r is not None}
             live = (held if alive is None else set(alive) & held) - set(lost)
             if renumber:  # the same numbering on every process: from inputs all of them hold
-                dst_of, bound = best_numbering(tree, src, dst, src_of, sorted(live))
+                dst_of, bound = best_numbering(tree, src, dst, src_of, sorted(live), given=dst_of)
             src_pl, dst_pl = _placements([g["host"] for g in everyone], src_of, dst_of, src, dst)
         # each process plans the ops that touch it or its peers; all agree on the inputs' digest
         plan, own_totals = plan_own_part(guard, what, tree, src, dst, src_placement=src_pl,

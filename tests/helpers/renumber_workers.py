@@ -1,7 +1,7 @@
 """Workers for the live renumbering test (4 gloo processes on CPU).
 
 Each process holds old rank ``rank`` of ``SRC``; the change to ``DST`` is run with the given
-numbering and then, from the same old state, with ``renumber=True``. After each, a process
+numbering (``renumber=False``) and then, from the same old state, renumbered (the default). After each, a process
 that holds a new rank checks its state bit for bit against ``materialize(global state, DST,
 its new rank)``.
 """
@@ -33,7 +33,7 @@ def renumber(rank: int, port: int, out_dir: str) -> None:
         tensors = {p: t for p, t in truth.items() if hasattr(t, "dtype")}
         values = {p: v for p, v in truth.items() if not hasattr(v, "dtype")}
         out = {}
-        for name, kwargs in (("given", {}), ("renumbered", {"renumber": True})):
+        for name, kwargs in (("given", {"renumber": False}), ("renumbered", {})):
             local = materialize(w.TREE, truth, SRC, rank)
             state, rep = tenplex.reconfigure(local, w.TREE, SRC, DST, **kwargs)
             out[name] = {"new_rank": _checked(state, rep, rank, truth, tensors, values),
