@@ -48,7 +48,10 @@ class Changed:
             process holds no rank of the new config.
         imported: the data position and step, or ``None`` likewise.
         report: the transfer's ``ReconfigureReport`` (bytes moved against the
-            planner's lower bound), or ``None`` on a parked process.
+            planner's lower bound and, renumbered, the placement-free bound; ``dst_of``: the
+            new rank of each process of the transition group), the same on every process of
+            the job with a ``membership`` (parked ones too), else ``None`` on a process
+            outside the transfer.
         seconds: wall time of the whole change on this process, in seconds.
     """
 
@@ -139,7 +142,10 @@ def _moved(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Me
     if membership.rank is not None:
         state, report = transfer(state, tree, old, new, renumber=renumber,
                                  **({"comm": comm()} if comm else {}))
-    dst_of = _gathered(membership, report)
+    if report is None and membership.generation is None:
+        return None, None  # not joined yet: it learns the groups from the store when needed
+    report = _shared(membership, report)
+    dst_of = report.dst_of
     order = [None] * new.world_size
     for rank, process in enumerate(members):
         if rank < len(dst_of) and dst_of[rank] is not None:
@@ -149,19 +155,23 @@ def _moved(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Me
     return state, report
 
 
-def _gathered(membership: Membership, report) -> list:
-    """The transition group's ``dst_of`` on every process of the job, parked ones too.
+def _shared(membership: Membership, report):
+    """The transfer's report on every process of the job, parked ones too.
 
-    Processes in the transition group hold it in their report; parked ones read it from the
-    store, where the group's rank 0 writes it under the group's generation.
+    Processes of the transition group hold it (it is the same on all of them); the others read
+    it from the store, where the group's rank 0 writes it under the group's generation.
     """
-    key = f"tenplex/change/{membership.generation}/dst_of"
+    import dataclasses
+
+    from tenplex.elastic import ReconfigureReport
+
+    key = f"tenplex/change/{membership.generation}/report"
     if report is not None:
         if membership.rank == 0:
-            membership.store.set(key, json.dumps(report.dst_of))
-        return list(report.dst_of)
+            membership.store.set(key, json.dumps(dataclasses.asdict(report)))
+        return report
     membership.store.wait([key], membership.timeout)
-    return json.loads(membership.store.get(key))
+    return ReconfigureReport(**json.loads(membership.store.get(key)))
 
 
 def _resume(state, build, spec, config, seed, tree, report, start) -> Changed:
