@@ -45,7 +45,7 @@ class Membership:
         self.store, self.process, self.backend, self.timeout = store, process, backend, timeout
         self.generation: int | None = None   # unnamed groups formed; None until known (see form)
         self.size = 0
-        self.members: list[int] = []   # the current group's processes, in rank order
+        self.members: list[int] = []   # the last group's processes, in rank order (known: formed it)
         self.rank: int | None = None   # this process's rank in it (None: parked)
 
     @classmethod
@@ -90,7 +90,7 @@ class Membership:
             dist.destroy_process_group()
         gc.collect()
         self.size = 0
-        self.members, self.rank = [], None
+        self.rank = None
 
     def form(self, size: int, name: str | None = None, order: list[int] | None = None) -> bool:
         """Leave the current default group; processes ``order`` (default ``0 .. size-1``) form
@@ -135,16 +135,17 @@ class Membership:
                     self.leave()
                     return False
                 self.generation = self._announced() - 1
+                members = json.loads(self.store.get(f"{_KEYS}/enter/{self.generation + 1}"))
             self.generation = (self.generation or 0) + 1
             key = str(self.generation)
             if self.process == 0:
                 self.store.set(f"{_KEYS}/enter/{key}", json.dumps(members))
                 self.store.set(f"{_KEYS}/generation", key)
         self.leave()
-        self.size = size
+        self.size, self.members = size, members
         if self.process not in members:
             return False
-        self.members, self.rank = members, members.index(self.process)
+        self.rank = members.index(self.process)
         group = dist.PrefixStore(f"tenplex/group/{key}", self.store)
         self._agree(group, size)
         dist.init_process_group(self.backend, store=group, rank=self.rank, world_size=size,
