@@ -463,7 +463,7 @@ def _contiguous_devices(src_pl: Placement, dst_pl: Placement, alive_mask: np.nda
     if rule is None or rule != dst_pl.contiguous_rule():
         return None
     per_host, first = rule
-    ws, wd = len(src_pl.devices), len(dst_pl.devices)
+    ws, wd = len(src_pl), len(dst_pl)
     dst = np.arange(wd, dtype=np.int64)
     own = np.where((dst < ws) & alive_mask[np.minimum(dst, ws)], dst, ws)
     devices = Devices(src_host=(np.arange(ws, dtype=np.int64) + first) // per_host,
