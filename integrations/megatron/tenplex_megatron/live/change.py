@@ -138,10 +138,10 @@ def _moved(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Me
         extra = [p for p in range(new.world_size + len(members)) if p not in members]
         members += extra[: new.world_size - old.world_size]
         membership.form(new.world_size, order=members)
-    state, report = None, None
+    out, report = None, None
     if membership.rank is not None:
-        state, report = transfer(state, tree, old, new, renumber=renumber,
-                                 **({"comm": comm()} if comm else {}))
+        out, report = transfer(state, tree, old, new, renumber=renumber,
+                               **({"comm": comm()} if comm else {}))
     if report is None and membership.generation is None:
         return None, None  # not joined yet: it learns the groups from the store when needed
     report = _shared(membership, report)
@@ -152,7 +152,7 @@ def _moved(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Me
             order[dst_of[rank]] = process
     if order != members:
         membership.form(new.world_size, order=order)
-    return state, report
+    return out, report
 
 
 def _shared(membership: Membership, report):
