@@ -13,11 +13,15 @@ expert tp 1, 256 -> 512 ranks). The last line is one JSON object:
 Llama-3.1-405B (126 layers, uneven pp 16: stages 7:8x14:7; distributed
 Adam) at tp 8, pp 16 follows, dp 64 <-> 128 (8192 <-> 16384 GPUs), both
 ways, each part in a fresh child process: whole-plan time and peak RSS;
-``best_placement``'s time (wall and CPU) and peak RSS; bytes moved with the
+own-rank plan time for the first, a middle and the last rank (the first
+call in the process, which also makes the default placements, and a second
+calls (the fastest is reported), wall and CPU time, with tracemalloc's
+peak and the RSS growth; ``best_placement``'s time and peak RSS; bytes moved with the
 contiguous and with the best placement, and the placement-free bound
-(:func:`tenplex.transform.assign.placement_bound`: the smaller of the row-
-and column-maxima rules; the row-only rule is printed beside it). The last
-line then adds ``plan_s_405b``, ``plan_rss_mb_405b``, ``placement_s_405b``,
+(the smaller of the row- and column-maxima rules; the issue's row-only
+rule is printed beside it). The last line then adds ``plan_s_405b``,
+``plan_rss_mb_405b``, ``own_rank_plan_ms_405b`` (the slowest of the six),
+``own_rank_first_call_ms_405b``, ``placement_s_405b``,
 ``best_moved_over_placement_bound`` (the worse way) and the bytes.
 
 Usage: python bench/plan_scale.py [--layers 96] [--repeat 3] [--only-405b]
@@ -160,6 +164,38 @@ def run_405b_placement(change: str, queue) -> None:
                "best_moved_tb": moved / 1e12})
 
 
+def run_405b_own(change: str, queue) -> None:
+    """Own-rank plans of the first, a middle and the last rank: the first call in this process
+    (cold: it also makes the default placements and the shardings) and again (warm)."""
+    import tracemalloc
+
+    from tenplex.transform import make_plan
+
+    tree, config = llama_405b()
+    a, b = (config(dp) for dp in LLAMA_405B_CHANGES[change])
+    out = []
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for rank in (0, b.world_size // 2, b.world_size - 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = make_plan(tree, a, b, ranks=[rank])
+        first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
+        again, again_cpu = [], []
+        for _ in range(3):
+            t0, c0 = time.perf_counter(), time.process_time()
+            make_plan(tree, a, b, ranks=[rank])
+            again.append(time.perf_counter() - t0)
+            again_cpu.append(time.process_time() - c0)
+        tracemalloc.start()
+        make_plan(tree, a, b, ranks=[rank])
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        out.append({"rank": rank, "first_ms": first * 1e3, "first_cpu_ms": first_cpu * 1e3,
+                    "ms": min(again) * 1e3, "cpu_ms": min(again_cpu) * 1e3,
+                    "ops": len(plan.ops), "traced_mb": peak / 2**20,
+                    "rss_growth_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base})
+    queue.put(out)
+
+
 def _child(ctx, target, *args):
     queue = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, queue))
@@ -171,22 +207,31 @@ def _child(ctx, target, *args):
 
 def bench_405b(ctx) -> dict:
     """The Llama-3.1-405B changes; prints their lines and returns the last line's keys."""
-    whole, place = {}, {}
+    whole, own, place = {}, {}, {}
     for change in LLAMA_405B_CHANGES:
         whole[change] = w = _child(ctx, run_405b_whole, change)
+        own[change] = o = _child(ctx, run_405b_own, change)
         place[change] = p = _child(ctx, run_405b_placement, change)
         print(f"405B {change}: whole plan {w['plan_s']:.2f}s peak_rss={w['plan_rss_mb']:.0f}MB "
               f"ops={w['ops']:,}; needed {w['needed_tb']:.1f}TB")
+        print("      own-rank plans: " + ", ".join(
+            f"rank {r['rank']} {r['ms']:.0f}ms (cpu {r['cpu_ms']:.0f}ms; first call "
+            f"{r['first_ms']:.0f}ms, cpu {r['first_cpu_ms']:.0f}ms; {r['ops']} ops, "
+            f"traced {r['traced_mb']:.1f}MB, rss +{r['rss_growth_mb']:.0f}MB)" for r in o))
         print(f"      best placement {p['placement_s']:.2f}s (cpu {p['placement_cpu_s']:.2f}s) peak_rss={p['placement_rss_mb']:.0f}MB "
               f"(before {p['rss_before_mb']:.0f}MB; {p['blocks']} blocks, largest "
               f"{p['largest_block'][0]}x{p['largest_block'][1]})")
         print(f"      moved: contiguous {w['moved_tb']:.2f}TB, best placement {p['best_moved_tb']:.2f}TB; "
-              f"placement-free bound {p['bound_tb']:.2f}TB (row maxima only: "
+              f"placement-free bound {p['bound_tb']:.2f}TB (row maxima only, the issue's rule: "
               f"{p['row_bound_tb']:.2f}TB; {p['bound_s']:.1f}s)")
     ratio = [p["best_moved_tb"] / p["bound_tb"] if p["bound_tb"] else 1.0 for p in place.values()]
     return {
         "plan_s_405b": round(max(w["plan_s"] for w in whole.values()), 3),
         "plan_rss_mb_405b": round(max(w["plan_rss_mb"] for w in whole.values()), 1),
+        "own_rank_plan_ms_405b": round(max(r["ms"] for o in own.values() for r in o), 1),
+        "own_rank_plan_cpu_ms_405b": round(max(r["cpu_ms"] for o in own.values() for r in o), 1),
+        "own_rank_first_call_ms_405b": round(max(r["first_ms"] for o in own.values() for r in o), 1),
+        "own_rank_traced_mb_405b": round(max(r["traced_mb"] for o in own.values() for r in o), 1),
         "placement_s_405b": round(max(p["placement_s"] for p in place.values()), 3),
         "placement_cpu_s_405b": round(max(p["placement_cpu_s"] for p in place.values()), 3),
         "placement_rss_mb_405b": round(max(p["placement_rss_mb"] for p in place.values()), 1),

@@ -238,7 +238,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         small = gpt_tree(GPTSpec(**WARMUP_SPEC))
         g = random_state(small, src, SEED)
         loc = materialize(small, g, src, rank) if rank < src.world_size else None
-        tenplex.reconfigure(loc, small, src, dst, memory_budget=budget)
+        tenplex.reconfigure(loc, small, src, dst, memory_budget=budget, renumber=False)
         _dcp(small, src, dst, rank, loc or {}, root, "warmup")
         ring(1 << 20, 2)
         del g, loc
@@ -257,7 +257,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         for i in range(repeat):
             phase_times.clear()
             (out, r), s, cpu = timed(lambda: tenplex.reconfigure(local, tree, src, dst,
-                                                                 memory_budget=budget))
+                                                                 memory_budget=budget, renumber=False))
             run_phases = live_phases.finish(phase_times)
             if i == 0 and expected is not None:
                 leaves = _check(out, expected)
@@ -300,7 +300,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
             dist.barrier()
             prof.enable()
             t0 = time.perf_counter()
-            out, _ = tenplex.reconfigure(local, tree, src, dst, memory_budget=budget)
+            out, _ = tenplex.reconfigure(local, tree, src, dst, memory_budget=budget, renumber=False)
             t1 = time.perf_counter() - t0
             prof.disable()
             prof.dump_stats(profile_path(profile, rank))

@@ -44,7 +44,8 @@ def main() -> None:
     state["optimizer/step"] = 100
 
     state, report = tenplex.reconfigure(state, tree, old, new, timeout=60)
-    check(state, tree, new, rank, truth)
+    me = report.dst_of[rank]                        # renumbered to keep the most bytes in place
+    check(state, tree, new, me, truth)
     if rank == 0:
         print(f"live {old} -> {new}: sent {report.sent} bytes (lower bound {report.lower_bound}) "
               f"in {report.seconds:.3f} s")
@@ -53,14 +54,14 @@ def main() -> None:
     holder = [tempfile.mkdtemp(prefix="tenplex-example-", dir=shm) if rank == 0 else None]
     dist.broadcast_object_list(holder)
     url = f"file://{holder[0]}/step-100"
-    tenplex.save_distributed(state, tree, new, url)
+    tenplex.save_distributed(state, tree, new, url, rank=me)
     restarted = tenplex.load(url, ParallelConfig.parse("dp=2,tp=1,pp=2"), rank)
     check(restarted, tree, ParallelConfig.parse("dp=2,tp=1,pp=2"), rank, truth)
     if rank == 0:
         print(f"saved at {new} to {url}; rank 0 loaded its shards at dp=2,tp=1,pp=2")
 
-    back, _ = tenplex.reconfigure(state, tree, new, old)     # to dp=2,tp=2 again, with replicas
-    check(back, tree, old, rank, truth)
+    back, rep = tenplex.reconfigure(state, tree, new, old, src_of=report.dst_of)  # dp=2,tp=2 again
+    check(back, tree, old, rep.dst_of[rank], truth)
     # Old rank 1 is lost, after 30 more steps. torchrun renumbers the survivors (old ranks
     # 0, 2, 3) as processes 0, 1, 2; process 3 is the replacement. Here each process takes the
     # state its survivor would hold: in a real job every survivor keeps its own.

@@ -84,7 +84,10 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
          storage_options: dict | None = None, threads: int = 8) -> dict[str, Any]:
     """One rank's local shards of the checkpoint at ``url``, laid out for ``config``.
 
-    Only the byte ranges the rank needs are read, and their checksums verified.
+    Only the byte ranges the rank needs are read, and their checksums
+    verified. Only the rank's own part is planned
+    (``make_plan(..., ranks=[rank])``), so the cost grows with what the rank
+    holds, not with the world size.
 
     Args:
         url: the checkpoint.
@@ -104,8 +107,8 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
     """
     reader = StoreReader(url, storage_options)
     config = config or reader.config
-    plan = make_plan(reader.tree, reader.config, config, src_sharding=reader.sharding)
     config.coord(rank)
+    plan = make_plan(reader.tree, reader.config, config, ranks=[rank], src_sharding=reader.sharding)
     runner = StorePlanRunner(reader, plan, threads)
     try:
         out: dict[str, Any] = {}

@@ -11,14 +11,21 @@ calls the same function. Each process may hold a rank of the old config
 For :func:`reconfigure`, process ``p`` holds old rank ``p`` (if ``p`` < old
 world size) unless ``src_of`` says otherwise. For :func:`recover`, every
 survivor declares the old rank it holds (``old_rank=``), or the caller passes
-``src_of``: torchrun renumbers survivors, so no default is safe. Process
-``p`` holds new rank ``p`` (if ``p`` < new world size) unless ``dst_of``
-says otherwise.
+``src_of``: torchrun renumbers survivors, so no default is safe. For
+:func:`recover`, process ``p`` holds new rank ``p`` (if ``p`` < new world
+size) unless ``dst_of`` says otherwise. :func:`reconfigure` renumbers by
+default: the new ranks go to the processes that keep the most bytes in
+place (``report.dst_of``; the numbering above where it keeps as many), and
+the caller forms its new group in that order; ``renumber=False`` or a
+given ``dst_of`` keeps the numbering.
 
 Before any byte moves, every process checks that all were called with the
 same arguments, that the process mapping is consistent, that every local
-state matches the tree, and that all computed the same plan (its digest);
-any mismatch raises the same error on every process
+state matches the tree, and that all plan from the same inputs (a digest of
+the tree, configs, placements and live ranks). Each process plans only the
+ops that touch it or the peers it exchanges with
+(:mod:`tenplex.transform.parts`), at a cost that grows with what they hold,
+not with the world. Any mismatch raises the same error on every process
 (:mod:`tenplex.transform.agree`). During the transfer, a failure anywhere
 raises :class:`~tenplex.errors.TransferError` everywhere within ``timeout``
 (:mod:`tenplex.transform.guard`).
@@ -26,6 +33,7 @@ raises :class:`~tenplex.errors.TransferError` everywhere within ``timeout``
 Usage, inside ``torch.distributed`` (see docs/elastic.md for torchrun recipes)::
 
     state, report = tenplex.reconfigure(state, tree, old, new)       # all processes
+    new_rank = report.dst_of[my_process]                                # renumbered
     state, report = tenplex.recover(state, tree, cfg, cfg, lost={3}, old_rank=my_old_rank,
                                     store=last_ckpt)
 """
@@ -44,13 +52,14 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, TensorLeaf, ValueLeaf
 from tenplex.store.reader import StoreReader
 from tenplex.store.fetch import read_region
-from tenplex.transform.agree import (check_local_state, check_same_inputs, check_same_plan,
+from tenplex.transform.agree import (check_local_state, check_same_inputs,
                                      local_problems, tree_digest)
 from tenplex.transform.comm import Comm, LocalComm, TorchComm
 from tenplex.transform.distributed import DEFAULT_BUDGET, execute_distributed
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
+from tenplex.transform.assign import best_numbering
+from tenplex.transform.parts import plan_own_part
 from tenplex.transform.placement import Device, Placement
-from tenplex.transform.planner import make_plan
 
 __all__ = ["reconfigure", "recover", "ReconfigureReport", "default_mapping"]
 
@@ -75,6 +84,11 @@ class ReconfigureReport:
         rounds: the most rounds of chunked exchange one process ran.
         steps_kept: for :func:`recover` with ``step_path``, the steps of
             progress kept against restarting from the store's checkpoint.
+        dst_of: per process, the new rank it holds (the numbering used; with
+            renumbering the best one, so read this process's entry).
+        placement_bound: when renumbering was asked for, the bytes no numbering of the new
+            ranks can avoid moving (:func:`~tenplex.transform.assign.placement_bound`); else
+            ``None``.
     """
 
     sent: int = 0
@@ -87,6 +101,8 @@ class ReconfigureReport:
     peak_buffer: int = 0
     rounds: int = 0
     steps_kept: int | None = None
+    dst_of: list | None = None
+    placement_bound: int | None = None
 
 
 def default_mapping(size: int, src: ParallelConfig, dst: ParallelConfig):
@@ -107,7 +123,7 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
                 dst: ParallelConfig, *, group=None, comm: Comm | None = None,
                 src_of: Sequence[int | None] | None = None, dst_of: Sequence[int | None] | None = None,
                 alive=None, store=None, memory_budget: int = DEFAULT_BUDGET,
-                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT):
+                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT, renumber: bool = True):
     """This process's state under ``dst``, moved from the other processes without a checkpoint.
 
     Args:
@@ -127,6 +143,15 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
         device: where new tensors are allocated (``"cuda"`` with NCCL).
         timeout: seconds a process may stay silent (dead, or not yet in this
             call) before the reconfiguration fails on every process.
+
+        renumber: give the new ranks to the processes that keep the most bytes in place
+            (:func:`~tenplex.transform.assign.best_numbering`: optimal per component of the
+            bytes-in-common matrix; the default numbering where it keeps as many). On by
+            default: this process's new rank is then ``report.dst_of[process]``, and the
+            caller forms its new group in that order
+            (:meth:`tenplex_megatron.live.Membership.form` takes it). ``False`` keeps the
+            default numbering (process ``p`` holds new rank ``p``, torchrun's); a given
+            ``dst_of`` is always kept.
 
     Returns:
         ``(state, report)``: the new ``{path: local tensor or value}``
@@ -149,7 +174,8 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
     """
     return _transition(local_state, tree, src, dst, what="reconfigure", group=group, comm=comm,
                        src_of=src_of, dst_of=dst_of, old_rank=UNDECLARED, alive=alive, lost=(),
-                       store=store, memory_budget=memory_budget, device=device, timeout=timeout)
+                       store=store, memory_budget=memory_budget, device=device, timeout=timeout,
+                       renumber=renumber)
 
 
 def recover(local_state: dict[str, Any] | None, tree: PTree, src: ParallelConfig,
@@ -200,16 +226,19 @@ def recover(local_state: dict[str, Any] | None, tree: PTree, src: ParallelConfig
 
 
 def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_of, old_rank,
-                alive, lost, store, memory_budget, device, timeout, step_path=None):
+                alive, lost, store, memory_budget, device, timeout, step_path=None, renumber=False):
     start = time.perf_counter()
     comm = _comm(group, comm, device)
     me = comm.rank
+    renumber = renumber and dst_of is None  # a given numbering is kept
     dst_of = list(dst_of) if dst_of is not None else default_mapping(comm.size, src, dst)[1]
+    bound = None
     with TransferGuard(comm, timeout=timeout, what=what) as guard:
         guard.phase("plan")
         reader = _reader(store)
         my_src = _local_old_rank(me, src, src_of, old_rank, what)
-        problems = local_problems(tree, Sharding(tree, src), my_src, local_state, device) \
+        src_sharding = Sharding(tree, src)
+        problems = local_problems(tree, src_sharding, my_src, local_state, device) \
             if my_src is None or 0 <= my_src < src.world_size else []
         inputs = {"src": src.to_json(), "dst": dst.to_json(), "tree": tree_digest(tree),
                   "src_of": None if src_of is None else list(src_of), "dst_of": dst_of,
@@ -230,13 +259,14 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
             check_local_state(what, everyone, labels)
             held = {r for r in src_of if r is not None}
             live = (held if alive is None else set(alive) & held) - set(lost)
+            if renumber:  # the same numbering on every process: from inputs all of them hold
+                dst_of, bound = best_numbering(tree, src, dst, src_of, sorted(live), given=dst_of)
             src_pl, dst_pl = _placements([g["host"] for g in everyone], src_of, dst_of, src, dst)
-            plan = make_plan(tree, src, dst, src_placement=src_pl, dst_placement=dst_pl, alive=live,
-                             store_fallback=reader is not None)
-        guard.phase("agree")
-        digests = [b.decode() for b in guard.gather("agree", plan.digest().encode())]
-        with guard.agreeing():
-            check_same_plan(what, digests)
+        # each process plans the ops that touch it or its peers; all agree on the inputs' digest
+        plan, own_totals = plan_own_part(guard, what, tree, src, dst, src_placement=src_pl,
+                                         dst_placement=dst_pl, alive=live,
+                                         store_fallback=reader is not None, src_of=src_of,
+                                         dst_of=dst_of, shardings=(src_sharding, Sharding(tree, dst)))
         tensors = None if local_state is None else {p: v for p, v in local_state.items()
                                                     if isinstance(tree.leaves.get(p), TensorLeaf)}
         read = None if reader is None else (lambda path, box: read_region(reader, path, box))
@@ -250,16 +280,18 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
         # sent still fails the transfer everywhere, so no process goes on alone
         mine = {"sent": stats.sent, "local": stats.local, "store": stats.store, "filled": stats.filled,
                 "seconds": time.perf_counter() - start, "peak_buffer": stats.peak_buffer,
-                "rounds": stats.rounds}
+                "rounds": stats.rounds, "planned_moved": own_totals.moved,
+                "lower_bound": own_totals.lower_bound}
         confirms = [json.loads(b) for b in guard.gather("confirm", json.dumps(mine).encode())]
     if out is not None:
         out.update(values)
         out = {p: out[p] for p in tree.leaves if p in out}
     report = ReconfigureReport(
         **{k: sum(c[k] for c in confirms) for k in ("sent", "local", "store", "filled")},
-        planned_moved=plan.totals.moved, lower_bound=plan.totals.lower_bound,
+        planned_moved=sum(c["planned_moved"] for c in confirms),
+        lower_bound=sum(c["lower_bound"] for c in confirms),
         seconds=max(c["seconds"] for c in confirms), peak_buffer=max(c["peak_buffer"] for c in confirms),
-        rounds=max(c["rounds"] for c in confirms))
+        rounds=max(c["rounds"] for c in confirms), dst_of=list(dst_of), placement_bound=bound)
     if step_path is not None and reader is not None:
         report.steps_kept = _steps_kept(by_src, live, step_path, reader)
     return out, report

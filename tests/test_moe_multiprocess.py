@@ -38,9 +38,9 @@ def _sequence():
             P(dp=2, cp=2, ep=4, etp=1), P(dp=2, pp=2, vpp=2, ep=2), P(dp=2, ep=2), P(dp=4, ep=1)]
 
 
-def _reconfigure(local, tree, src, dst):
+def _reconfigure(local, tree, src, dst, src_of):
     import tenplex
-    return tenplex.reconfigure(local, tree, src, dst, memory_budget=1 << 15)
+    return tenplex.reconfigure(local, tree, src, dst, src_of=src_of, memory_budget=1 << 15)
 
 
 def _check(state, tree, config, rank, tensors, values):
@@ -77,12 +77,13 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         tensors = {p: t for p, t in state.items() if isinstance(t, torch.Tensor)}
         values = {p: v for p, v in state.items() if not isinstance(v, torch.Tensor)}
         local = materialize(tree, state, configs[0], rank)
-        rows = []
-        for src, dst in zip(configs, configs[1:]):
-            local, rep = _reconfigure(local, tree, src, dst)
+        rows, src_of = [], None
+        for src, dst in zip(configs, configs[1:]):  # renumbered: each goes on with its new rank
+            local, rep = _reconfigure(local, tree, src, dst, src_of)
             values = expected_values(values, src, dst, tree)
-            if rank < dst.world_size:
-                _check(local, tree, dst, rank, tensors, values)
+            src_of = rep.dst_of
+            if src_of[rank] is not None:
+                _check(local, tree, dst, src_of[rank], tensors, values)
             else:
                 assert local is None
             rows.append({"src": str(src), "dst": str(dst), "sent": rep.sent,

@@ -133,12 +133,13 @@ def plan(args) -> int:
         from tenplex.transform.assign import best_placement
         pool = list(Placement.contiguous(max(src.world_size, dst.world_size), args.per_host).devices)
         dst_pl = best_placement(tree, src, dst, src_pl, pool)
-    p = make_plan(tree, src, dst, src_placement=src_pl, dst_placement=dst_pl)
+    p = make_plan(tree, src, dst, src_placement=src_pl, dst_placement=dst_pl, bound=True)
     t = p.totals
     summary = {"src": str(src), "dst": str(dst), "ops": len(p.ops), "kinds": p.kinds(),
                "needed": t.needed, "local": t.local, "host": t.host, "network": t.network,
                "fill": t.fill, "lower_bound": t.lower_bound,
                "lower_bound_network": t.lower_bound_network, "max_sender": t.max_sender,
+               "moved": t.moved, "placement_bound": t.placement_bound,
                "padding": [{"path": x.path, "axis": x.axis, "src_padded": x.src_padded,
                             "dst_padded": x.dst_padded, "logical": x.logical} for x in p.padding],
                "matrix": [[s, d, n] for (s, d), n in sorted(p.matrix().items())],
@@ -154,7 +155,8 @@ def plan(args) -> int:
     print(f"kept local      {size(t.local)}")
     print(f"within a host   {size(t.host)}")
     print(f"across hosts    {size(t.network)}   (lower bound {size(t.lower_bound_network)})")
-    print(f"moved           {size(t.moved)}   (lower bound {size(t.lower_bound)})")
+    print(f"moved           {size(t.moved)}   (lower bound {size(t.lower_bound)}; "
+          f"any placement {size(t.placement_bound)})")
     print(f"busiest sender  {size(t.max_sender)}")
     for x in p.padding:
         print(f"padding: {x}")

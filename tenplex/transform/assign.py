@@ -271,19 +271,23 @@ def _leaf_terms(g) -> tuple[int, dict]:
 
 
 def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
-                   src_of: Sequence[int | None], alive: Sequence[int]) -> tuple[list, int]:
+                   src_of: Sequence[int | None], alive: Sequence[int],
+                   given: Sequence[int | None] | None = None) -> tuple[list, int]:
     """The new rank of each process that keeps the most bytes in place, and the placement bound.
 
     A live change's processes are its devices: process ``p`` holds old rank ``src_of[p]``
     (``None``: it joins empty). Each new rank goes to the process that :func:`best_placement`'s
     matching gives it (per component of ``W``, the Hungarian method); the rest go to the
-    free processes in order. Every process computes the same numbering from the same inputs.
+    free processes in order. A ``given`` numbering that keeps as many bytes in place is
+    returned as it is (the optimum is often not unique: no process is renumbered for
+    nothing). Every process computes the same numbering from the same inputs.
 
     Args:
         tree: the tree spec.
         src, dst: the old and new configs.
         src_of: per process, the old rank it holds, or ``None``.
         alive: the old ranks that can serve data.
+        given: per process, the new rank it would hold without renumbering (or ``None``).
 
     Returns:
         ``(dst_of, bound)``: per process its new rank or ``None``, and the placement-free bound
@@ -302,15 +306,38 @@ def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
     live[[r for r in alive if process_of[r] >= 0]] = True
     needed, blocks = weight_blocks(tree, src, dst, live)
     chosen = np.full(dst.world_size, -1, dtype=np.int64)
+    best = 0
     for block in blocks:
         rows, cols = _assign(block.weight)
         chosen[block.targets[rows]] = process_of[block.sources[cols]]
+        best += int(block.weight[rows, cols].sum())
+    by_target = sum(int(b.weight.max(axis=1).sum()) for b in blocks)
+    by_source = sum(int(b.weight.max(axis=0).sum()) for b in blocks)
+    bound = needed - min(by_target, by_source)
+    if given is not None and _kept(blocks, src_of, given, live) >= best:
+        return list(given), bound
     free = np.setdiff1d(np.arange(len(src_of)), chosen[chosen >= 0])
     left = np.nonzero(chosen < 0)[0]
     chosen[left] = free[: len(left)]
     dst_of: list = [None] * len(src_of)
     for t, p in enumerate(chosen.tolist()):
         dst_of[p] = t
-    by_target = sum(int(b.weight.max(axis=1).sum()) for b in blocks)
-    by_source = sum(int(b.weight.max(axis=0).sum()) for b in blocks)
-    return dst_of, needed - min(by_target, by_source)
+    return dst_of, bound
+
+
+def _kept(blocks: list, src_of: Sequence[int | None], dst_of: Sequence[int | None],
+          live: np.ndarray) -> int:
+    """Bytes kept in place when process ``p`` goes from old rank ``src_of[p]`` to ``dst_of[p]``."""
+    where = {}
+    for b, block in enumerate(blocks):
+        cols = {int(s): j for j, s in enumerate(block.sources.tolist())}
+        for i, t in enumerate(block.targets.tolist()):
+            where[t] = (b, i, cols)
+    kept = 0
+    for old, new in zip(src_of, dst_of):
+        if old is None or new is None or not live[old] or new not in where:
+            continue
+        b, i, cols = where[new]
+        if old in cols:
+            kept += int(blocks[b].weight[i, cols[old]])
+    return kept

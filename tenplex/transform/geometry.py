@@ -153,6 +153,18 @@ class LeafGeometry:
                             for c in dst.classes(path, tp_coord)]
         self._covers: dict = {}
         self._lb: dict = {}
+        self._sender_index: _Index | None = None
+
+    def sender_index(self, senders: np.ndarray) -> "_Index":
+        """The boxes of the pools with a rank in ``senders`` (``[src world + 1]`` bool), indexed.
+
+        Made once per geometry (a planner's senders never change).
+        """
+        if self._sender_index is None:
+            pools = np.nonzero((self.member & senders[None, :]).any(axis=1))[0].tolist()
+            self._sender_index = _Index([_Cand(k, i, b) for k in pools
+                                         for i, b in enumerate(self.pool_boxes[k])])
+        return self._sender_index
 
     # -- covers ------------------------------------------------------------
     def segments(self, k: int, prefer: int) -> tuple[Segment, ...]:

@@ -135,6 +135,11 @@ class Totals:
         lower_bound_network: bytes that must cross hosts: bytes a target
             needs that no live source on its own host holds.
         max_sender: bytes the busiest source rank sends to other devices.
+        placement_bound: bytes no placement of the target ranks on the
+            source devices can avoid moving: Σ over target ranks of (bytes
+            needed − the most bytes of them any one live source rank holds)
+            (:func:`~tenplex.transform.assign.placement_bound`); ``None``
+            unless asked for (``make_plan(..., bound=True)``, whole plans only).
     """
 
     needed: int = 0
@@ -146,6 +151,7 @@ class Totals:
     lower_bound: int = 0
     lower_bound_network: int = 0
     max_sender: int = 0
+    placement_bound: int | None = None
 
     @property
     def moved(self) -> int:
@@ -288,6 +294,9 @@ class Plan:
         shardings: ``(Sharding(tree, src), Sharding(tree, dst))`` as the planner built them, for
             the executors and writers of this plan (not compared, hashed or serialized; empty
             for a plan read from JSON): see :meth:`src_sharding`, :meth:`dst_sharding`.
+        ranks, senders: for a partial plan (``make_plan(..., ranks=,
+            senders=)``), the target ranks and source ranks whose ops it
+            holds; ``None`` for the whole plan.
     """
 
     src: ParallelConfig
@@ -299,6 +308,8 @@ class Plan:
     values: tuple[ValueOp, ...] = ()
     padding: tuple[PaddingChange, ...] = ()
     totals: Totals = field(default_factory=Totals)
+    ranks: tuple[int, ...] | None = None
+    senders: tuple[int, ...] | None = None
     shardings: tuple = field(default=(), compare=False, repr=False)
 
     def src_sharding(self, tree: PTree) -> Sharding:
@@ -366,6 +377,8 @@ class Plan:
             "padding": [[p.path, p.axis, p.logical, p.src_padded, p.dst_padded]
                         for p in self.padding],
             "totals": {k: getattr(self.totals, k) for k in Totals.__dataclass_fields__},
+            **({} if self.ranks is None and self.senders is None else
+               {"ranks": list(self.ranks or ()), "senders": list(self.senders or ())}),
         }
 
     def to_json(self) -> dict:
@@ -391,8 +404,24 @@ class Plan:
             return cls(ParallelConfig.from_json(obj["src"]), ParallelConfig.from_json(obj["dst"]),
                        Placement.from_json(obj["src_placement"]),
                        Placement.from_json(obj["dst_placement"]), tuple(obj["alive"]),
-                       OpTable.from_json(obj["ops"]), values, padding, Totals(**obj["totals"]))
+                       OpTable.from_json(obj["ops"]), values, padding, Totals(**obj["totals"]),
+                       _ranks(obj, "ranks"), _ranks(obj, "senders"))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             if isinstance(exc, PlanError):
                 raise
             raise PlanError(f"plan: malformed JSON: {exc!r}") from exc
+
+
+def _ranks(obj: dict, key: str) -> tuple[int, ...] | None:
+    """A partial plan's ``ranks`` or ``senders`` from its JSON (``None``: a whole plan)."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(r, int) for r in value):
+        raise PlanError(f"plan: {key} must be a list of ranks, found {_short(value)}")
+    return tuple(value)
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tenplex.ptree.region import intersect
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import TensorLeaf
 from tenplex.transform.geometry import LeafGeometry, Segment, SegmentType, tp_shift, tp_symmetric
@@ -58,14 +59,19 @@ class Rows:
     Attributes:
         dst: ``[rows]`` int64, each row's target rank.
         seg: ``[rows]`` int64, each row's segment.
-        unheld: elements the targets need that no pool on their own device
-            holds: the lower bound of elements moved (FILL excluded).
+        pos: ``[rows]`` int64, each row's target's position among the ranks
+            of its target holder class (its replicas) that share its own-device
+            pool, which deals the sources out
+            (:func:`~tenplex.transform.planner.deal`).
+        unheld: elements the counted targets need that no pool on their own
+            device holds: the lower bound of elements moved (FILL excluded).
         prefer: per target class, ``[its ranks]`` int64: the pool on each
             rank's own device (-1: none).
     """
 
     dst: np.ndarray
     seg: np.ndarray
+    pos: np.ndarray
     unheld: int
     prefer: list
 
@@ -83,6 +89,10 @@ class Segments:
         pools: ``[alts, segments]`` int64, the pool of each alternative (-1: none).
         pieces: ``[alts, segments]`` int32, its source piece index.
         kinds: ``[alts, segments]`` int8, its op kind code (``FILL_CODE`` where none).
+        phase: ``[segments]`` int64, where the segment lies in its first
+            alternative's source piece, in 1/65536 turns (sum over axes of
+            relative offset / piece size, modulo 1): targets that need other
+            parts of one source piece start the deal at other sources.
     """
 
     typ: np.ndarray
@@ -93,6 +103,7 @@ class Segments:
     pools: np.ndarray
     pieces: np.ndarray
     kinds: np.ndarray
+    phase: np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,7 +122,7 @@ class Choice:
         net_groups: ``[(candidates [c], rows [r])]``: the same across hosts.
         missing_rows: ``[m]`` int64, rows no live source holds.
         lb_net_volume: elements that must cross hosts: no pool on the
-            target's host holds them.
+            target's host holds them (counted targets only).
     """
 
     src: np.ndarray
@@ -147,14 +158,21 @@ class TemplateMaker:
             entry, the sentinel, is False).
         devices: where ranks run.
         ndim: the largest tensor rank in the tree (width of box arrays).
+        part: for a partial plan, ``(targets, senders)``: ``[dst world]`` and
+            ``[src world + 1]`` bool masks of the target ranks whose rows are
+            wanted and of the source ranks whose sends are wanted; ``None``
+            for the whole plan. Rows are then made only for target classes
+            with a wanted target or a sender's data, and only wanted targets
+            are counted in the bounds.
     """
 
     def __init__(self, src: Sharding, dst: Sharding, alive_mask: np.ndarray, devices: Devices,
-                 ndim: int):
+                 ndim: int, part: tuple[np.ndarray, np.ndarray] | None = None):
         self.src, self.dst = src, dst
         self.alive_mask = alive_mask
         self.devices = devices
         self.ndim = ndim
+        self.part = part
         self.covers: dict = {}
         self.all_alive = bool(alive_mask[:-1].all())
         self._axis_coord: dict = {}
@@ -162,12 +180,12 @@ class TemplateMaker:
     def make(self, path: str, leaf: TensorLeaf) -> Template:
         """The template of ``leaf``: tp rank 0's rows tiled over tp ranks where that is exact."""
         parts = None
-        if self.all_alive and tp_symmetric(self.src, self.dst, leaf):
+        if self.all_alive and self.part is None and tp_symmetric(self.src, self.dst, leaf):
             parts = self._tiled(path, leaf)
         if parts is None:
             geometry = LeafGeometry(self.src, self.dst, path, self.alive_mask, self.covers)
             segs, rows = self._rows(geometry)
-            parts = rows, self._segment_table(segs), geometry.pools, geometry.member
+            parts = rows, self._segment_table(segs, geometry.pool_boxes), geometry.pools, geometry.member
         rows, segments, pools, member = parts
         return Template(rows, segments, self._static_choice(rows, segments, pools, member))
 
@@ -176,28 +194,42 @@ class TemplateMaker:
         segs: list = []
         dst: list = []
         seg: list = []
+        pos: list = []
         unheld = 0
         prefers = []
         for k, (ranks, _) in enumerate(g.dst_classes):
+            place = _positions(g.class_of_src[self.devices.src_on_device[ranks]])
+            counted = np.ones(len(ranks), dtype=bool)
+            if self.part is not None:
+                counted = self.part[0][ranks]
+                if not self._sends_to(g, k):
+                    ranks, place, counted = ranks[counted], place[counted], counted[counted]
             prefer = g.class_of_src[self.devices.src_on_device[ranks]]
             prefers.append(prefer)
             for p in (prefer.tolist() if len(ranks) == 1 else np.unique(prefer).tolist()):
-                group = ranks if len(ranks) == 1 else ranks[prefer == p]
+                chosen = prefer == p
+                group = ranks[chosen]
                 ss = g.segments(k, p)
                 off = len(segs)
                 segs.extend(ss)
-                if len(group) == 1:
-                    dst.append(np.full(len(ss), group[0], dtype=np.int64))
-                    seg.append(np.arange(off, off + len(ss)))
-                else:
-                    dst.append(np.repeat(group, len(ss)))
-                    seg.append(np.tile(np.arange(off, off + len(ss)), len(group)))
-                unheld += g.unheld_volume(k, p) * len(group)
+                dst.append(np.repeat(group, len(ss)))
+                seg.append(np.tile(np.arange(off, off + len(ss)), len(group)))
+                pos.append(np.repeat(place[chosen], len(ss)))
+                unheld += g.unheld_volume(k, p) * int(counted[chosen].sum())
         empty = np.zeros(0, np.int64)
-        return segs, Rows(np.concatenate(dst) if dst else empty,
-                          np.concatenate(seg) if seg else empty, unheld, prefers)
+        join = lambda parts: np.concatenate(parts) if parts else empty
+        return segs, Rows(join(dst), join(seg), join(pos), unheld, prefers)
 
-    def _segment_table(self, segs: list[Segment]) -> Segments:
+    def _sends_to(self, g: LeafGeometry, k: int) -> bool:
+        """Whether a wanted sender's pool holds part of target class ``k``'s boxes (may serve it)."""
+        senders = self.part[1]
+        if not senders.any():
+            return False
+        index = g.sender_index(senders)
+        return any(intersect(c.box, box) is not None
+                   for box in g.dst_classes[k][1] for c in index.overlapping(box))
+
+    def _segment_table(self, segs: list[Segment], pool_boxes: list) -> Segments:
         """The segments' boxes and alternatives as arrays (see :class:`Segments`)."""
         m, d = len(segs), self.ndim
         alts = max((len(s.alts) for s in segs), default=0) or 1
@@ -206,7 +238,10 @@ class TemplateMaker:
         pools = np.full((alts, m), -1, dtype=np.int64)
         pieces = np.full((alts, m), -1, dtype=np.int32)
         kinds = np.full((alts, m), FILL_CODE, dtype=np.int8)
+        phase = np.zeros(m, dtype=np.int64)
         for i, s in enumerate(segs):
+            if s.alts:
+                phase[i] = _phase(s.box, pool_boxes[s.alts[0][0]][s.alts[0][1]])
             n = len(s.box.sizes)
             offsets[i, :n] = s.box.offsets
             sizes[i, :n] = s.box.sizes
@@ -217,7 +252,7 @@ class TemplateMaker:
         return Segments(np.array([s.type for s in segs], dtype=np.int8), offsets, sizes,
                         np.array([s.dst_piece for s in segs], dtype=np.int32),
                         np.prod(sizes, axis=1) if m else np.zeros(0, np.int64), pools, pieces,
-                        kinds)
+                        kinds, phase)
 
     def _tiled(self, path: str, leaf: TensorLeaf):
         """Rows, segments and pools of split rank 0 tiled over every split rank.
@@ -244,7 +279,7 @@ class TemplateMaker:
                             world)
             if not np.array_equal(geometry_t0.class_of_src[back], np.broadcast_to(prefer, back.shape)):
                 return None
-        t0 = self._segment_table(segs)
+        t0 = self._segment_table(segs, geometry_t0.pool_boxes)
         n_segments = len(segs)
         pools_per_rank = len(geometry_t0.pools)
         shape = src.physical_shape(leaf)
@@ -256,10 +291,11 @@ class TemplateMaker:
             np.concatenate([t0.volume] * degree),
             np.concatenate([np.where(t0.pools >= 0, t0.pools + t * pools_per_rank, -1) for t in ts],
                            axis=1),
-            np.concatenate([t0.pieces] * degree, axis=1), np.concatenate([t0.kinds] * degree, axis=1))
+            np.concatenate([t0.pieces] * degree, axis=1), np.concatenate([t0.kinds] * degree, axis=1),
+            np.concatenate([t0.phase] * degree))
         tiled_rows = Rows(np.concatenate([rows.dst + t * dst_stride for t in ts]),
                           np.concatenate([rows.seg + t * n_segments for t in ts]),
-                          rows.unheld * degree, rows.prefer)
+                          np.concatenate([rows.pos] * degree), rows.unheld * degree, rows.prefer)
         pools = [pool + t * src_stride for t in ts for pool in geometry_t0.pools]
         member = np.zeros((max(len(pools), 1), world + 1), dtype=bool)
         for i, pool in enumerate(pools):
@@ -328,7 +364,8 @@ class TemplateMaker:
         for a in range(pools.shape[0]):
             pa = pools[a, seg]
             has_host |= (pa >= 0) & (counts[np.maximum(pa, 0), host] > 0)
-        lb_net = int(segments.volume[seg][(undecided | missing) & ~has_host].sum()) if n else 0
+        counted = self.part[0][rows.dst] if self.part is not None else True
+        lb_net = int(segments.volume[seg][(undecided | missing) & ~has_host & counted].sum()) if n else 0
         return Choice(src, alt, link, np.nonzero(single | sole)[0], host_groups, net_groups,
                       np.nonzero(missing)[0], lb_net)
 
@@ -343,3 +380,24 @@ class TemplateMaker:
                 np.add.at(counts[p], hosts, 1)
                 first[p, hosts[::-1]] = live[::-1]  # the lowest rank on each host wins
         return counts, first
+
+
+def _phase(box, piece) -> int:
+    """Where ``box`` lies in ``piece``: sum over axes of relative offset / size, in 1/65536 turns."""
+    turn = sum((o - p) / n for o, p, n in zip(box.offsets, piece.offsets, piece.sizes))
+    return int(turn % 1 * 65536)
+
+
+def _positions(prefer: np.ndarray) -> np.ndarray:
+    """``[ranks]`` int64: each rank's position among the ranks of its class with the same
+    own-device pool (``prefer``), in rank order: the targets that share a group of sources.
+
+    A function of the whole class, so a partial plan deals its targets as the whole plan does.
+    """
+    order = np.argsort(prefer, kind="stable")
+    sorted_prefer = prefer[order]
+    starts = np.r_[0, np.nonzero(sorted_prefer[1:] != sorted_prefer[:-1])[0] + 1]
+    first = np.repeat(starts, np.diff(np.r_[starts, len(prefer)]))
+    out = np.empty(len(prefer), dtype=np.int64)
+    out[order] = np.arange(len(prefer)) - first
+    return out

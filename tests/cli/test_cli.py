@@ -44,6 +44,7 @@ def test_commands_and_output(tmp_path, capsys):
     assert main(["plan", str(src), "--to", "dp=1,tp=4,pp=1", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["needed"] == plan["local"] + plan["host"] + plan["network"]
+    assert 0 < plan["placement_bound"] <= plan["lower_bound"] <= plan["moved"]
     assert main(["reshard", str(src), str(dst), "--to", "dp=1,tp=1,pp=2,stages=1:1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bytes_written"] > 0 and report["bytes_read"] >= report["bytes_needed"]

@@ -88,12 +88,14 @@ def sequence(rank: int, world: int, port: int, out_dir: str) -> None:
     tensors = {p: t for p, t in global_state(FIRST).items() if isinstance(t, torch.Tensor)}
     values = {p: v for p, v in global_state(FIRST).items() if not isinstance(v, torch.Tensor)}
     local = materialize(TREE, global_state(FIRST), FIRST, rank) if rank < FIRST.world_size else None
-    config, rows = FIRST, []
-    for target in SEQUENCE:
-        local, rep = tenplex.reconfigure(local, TREE, config, target, memory_budget=1 << 17)
+    config, rows, src_of = FIRST, [], None
+    for target in SEQUENCE:  # renumbered (the default): each process goes on with its new rank
+        local, rep = tenplex.reconfigure(local, TREE, config, target, src_of=src_of,
+                                         memory_budget=1 << 17)
         values = expected_values(values, config, target)
-        if rank < target.world_size:
-            check(local, target, rank, values, tensors)
+        src_of = rep.dst_of
+        if src_of[rank] is not None:
+            check(local, target, src_of[rank], values, tensors)
         else:
             assert local is None
         rows.append({"src": str(config), "dst": str(target), "sent": rep.sent,
@@ -196,7 +198,8 @@ def fault(rank: int, port_a: int, port_b: int, out_dir: str) -> None:
         comm = KillingComm(at=1) if rank == 3 else TorchComm()
         target = P(dp=1, tp=4)
         try:
-            tenplex.reconfigure(local, tree, CONFIG, target, comm=comm, memory_budget=1 << 16)
+            tenplex.reconfigure(local, tree, CONFIG, target, comm=comm, memory_budget=1 << 16,
+                                renumber=False)  # renumbered, the change would move nothing
             outcome = "finished"
         except TransferError as err:
             outcome = f"TransferError: {err}"

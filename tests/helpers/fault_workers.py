@@ -67,7 +67,7 @@ def faulty(rank: int, victim: int, phases: list[str], action: str, timeout: floa
             dist.barrier()
             try:
                 tenplex.reconfigure(local, TREE, SRC, DST, comm=comm, memory_budget=BUDGET,
-                                    timeout=timeout)
+                                    timeout=timeout, renumber=False)  # renumbered, nothing moves
                 outcome = {"error": None}
             except TransferError as err:
                 outcome = {"error": str(err), "cause": repr(err.__cause__)}

@@ -125,3 +125,31 @@ def test_growing_dp_is_bound_by_what_the_old_devices_can_keep():
                      dst_placement=best_placement(tree, a, b, src_pl)).totals
     assert best.needed - int(weight.max(axis=1).sum()) == 0
     assert placement_bound(tree, a, b) == best.moved > 0
+
+
+def test_best_numbering_keeps_the_given_numbering_where_it_keeps_as_many_bytes():
+    # dp 2, tp 2 -> dp 4 with replicated Adam: process p keeping new rank p is optimal, and so is
+    # another matching the Hungarian method may return; renumbering (on by default in
+    # reconfigure) must not move processes for nothing
+    from tenplex.transform.assign import best_numbering
+
+    tree = gpt_tree(GPTSpec(num_layers=2, hidden=8, heads=2, query_groups=2, ffn=16, vocab=17,
+                            seq_len=4, optimizer="adam"))
+    a, b = P(dp=2, tp=2), P(dp=4)
+    src_of = contiguous = [0, 1, 2, 3]
+
+    def moved(dst_of):
+        where = Placement(tuple(Device("h", dst_of.index(t)) for t in range(b.world_size)))
+        return make_plan(tree, a, b, src_placement=Placement(tuple(Device("h", p) for p in range(4))),
+                         dst_placement=where).totals.moved
+
+    other, bound = best_numbering(tree, a, b, src_of, range(4))
+    kept, same_bound = best_numbering(tree, a, b, src_of, range(4), given=contiguous)
+    assert kept == contiguous and same_bound == bound
+    assert moved(kept) == moved(other) == bound
+    # where renumbering keeps more, the given numbering is not kept
+    c = P(dp=4, tp=1)
+    wider = gpt_tree(GPTSpec(num_layers=2, hidden=8, heads=2, query_groups=2, ffn=16, vocab=17,
+                             seq_len=4, optimizer="distributed_adam"))
+    assert best_numbering(wider, c, P(dp=2), src_of, range(4), given=[0, 1, None, None])[0] \
+        != [0, 1, None, None]

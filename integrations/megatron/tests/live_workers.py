@@ -197,7 +197,8 @@ def _sequence(process: int, port: int, out: str, configs, distributed: bool) -> 
                      "state_equal": state_equal, "consumed_before": done.imported.consumed_samples,
                      "samples": samples, "step": done.imported.step,
                      "sent": done.report.sent, "lower_bound": done.report.lower_bound,
-                     "planned_moved": done.report.planned_moved, "seconds": done.seconds})
+                     "planned_moved": done.report.planned_moved, "seconds": done.seconds,
+                     "dst_of": done.report.dst_of})
     if parts is not None:
         destroy_parallel_state()
     if process == 0:

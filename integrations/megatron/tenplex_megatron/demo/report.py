@@ -31,10 +31,11 @@ def summarize(phases, statics, elastic, static_a, static_b, seconds: float) -> d
         steps = [s for s in elastic["steps"] if s["phase"] == i]
         row = {"phase": i + 1, "config": str(phase.config), "workers": phase.workers,
                "steps": f"{start + 1}-{start + phase.steps}", "last_loss": steps[-1]["loss"] if steps else None,
-               "change": "start", "reconfig_s": 0.0, "transfer_s": 0.0, "moved": 0, "lower_bound": 0}
+               "change": "start", "reconfig_s": 0.0, "transfer_s": 0.0, "moved": 0, "lower_bound": 0,
+               "placement_bound": 0}
         for r in (r for r in elastic["reconfigs"] if r["phase"] == i):
             row.update(change="live", reconfig_s=r["seconds"], transfer_s=r["transfer_s"], moved=r["moved"],
-                       lower_bound=r["lower_bound"])
+                       lower_bound=r["lower_bound"], placement_bound=r.get("placement_bound"))
         rows.append(row)
         start += phase.steps
     return {
@@ -67,14 +68,21 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
+def _moved(r: dict) -> str:
+    """Bytes moved, the plan's lower bound (its numbering) and the placement-free bound, in MB."""
+    bound = r.get("placement_bound")
+    return (f"{r['moved'] / 1e6:.2f} MB / {r['lower_bound'] / 1e6:.2f} MB / "
+            + (f"{bound / 1e6:.2f} MB" if bound is not None else "-"))
+
+
 def render_table(summary: dict) -> str:
     header = ["phase", "config", "workers", "steps", "last loss", "change", "change s", "transfer s",
-              "moved / lower bound"]
+              "moved / lower bound / placement bound"]
     rows = [[str(r["phase"]), r["config"], str(r["workers"]), r["steps"],
              f"{r['last_loss']:.5f}" if r["last_loss"] is not None else "-", r["change"],
              f"{r['reconfig_s']:.2f}" if r["phase"] > 1 else "-",
              f"{r['transfer_s']:.2f}" if r["phase"] > 1 else "-",
-             f"{r['moved'] / 1e6:.2f} MB / {r['lower_bound'] / 1e6:.2f} MB" if r["phase"] > 1 else "-"]
+             _moved(r) if r["phase"] > 1 else "-"]
             for r in summary["phases"]]
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()

@@ -86,9 +86,10 @@ class _Records:
                                              "config": str(phases[phase].config)})
             self.show(name, phases, phase, step, loss)
         elif kind == "reconfig":
-            _, _, _, seconds, transfer, sent, lower = item
+            _, _, _, seconds, transfer, sent, lower, bound = item
             self.runs[name]["reconfigs"].append({"phase": phase, "how": "live", "seconds": seconds,
-                                                 "transfer_s": transfer, "moved": sent, "lower_bound": lower})
+                                                 "transfer_s": transfer, "moved": sent, "lower_bound": lower,
+                                                 "placement_bound": bound})
 
 
 def _show(name, phases, phase, step, loss) -> None:

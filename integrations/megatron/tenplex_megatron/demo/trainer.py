@@ -100,7 +100,7 @@ def _run(membership, name: str, phases: list, cfg, opts, corpus, queue, where: d
             parts = done.parts
             if me == 0:
                 queue.put(("reconfig", name, index, done.seconds, done.report.seconds, done.report.sent,
-                           done.report.lower_bound))
+                           done.report.lower_bound, done.report.placement_bound))
             if parts is not None:
                 consumed = done.imported.consumed_samples
         if parts is not None:
@@ -108,7 +108,7 @@ def _run(membership, name: str, phases: list, cfg, opts, corpus, queue, where: d
                 loss, idx = train_step(parts, corpus, consumed, opts)
                 consumed += opts.global_batch
                 step += 1
-                if me == 0:
+                if membership.rank == 0:  # renumbered groups: process 0 may be parked
                     queue.put(("step", name, index, step, loss, idx))
     if parts is not None:
         parts = None

@@ -16,6 +16,7 @@ or shrink (re-formed after it, leavers are parked).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -47,7 +48,10 @@ class Changed:
             process holds no rank of the new config.
         imported: the data position and step, or ``None`` likewise.
         report: the transfer's ``ReconfigureReport`` (bytes moved against the
-            planner's lower bound), or ``None`` on a parked process.
+            planner's lower bound and, renumbered, the placement-free bound; ``dst_of``: the
+            new rank of each process of the transition group), the same on every process of
+            the job with a ``membership`` (parked ones too), else ``None`` on a process
+            outside the transfer.
         seconds: wall time of the whole change on this process, in seconds.
     """
 
@@ -66,7 +70,8 @@ def transfer(state, tree, old: ParallelConfig, new: ParallelConfig, **kwargs):
 
 def change(parts: Parts | None, build: Callable[[ParallelConfig], tuple], *, spec: LiveSpec,
            old: ParallelConfig, new: ParallelConfig, consumed_samples: int | None, seed: int,
-           membership: Membership | None = None, comm: Callable[[], Any] | None = None) -> Changed:
+           membership: Membership | None = None, comm: Callable[[], Any] | None = None,
+           renumber: bool = True) -> Changed:
     """Move the job from ``old`` to ``new``; every process of the job calls it.
 
     Args:
@@ -83,6 +88,10 @@ def change(parts: Parts | None, build: Callable[[ParallelConfig], tuple], *, spe
             without it, the default group must already be the new world.
         comm: makes the transfer's communicator (a ``tenplex.transform.comm.Comm``),
             called once the transition group is formed; default torch.distributed's.
+        renumber: with a ``membership``, give the new ranks to the processes that keep the
+            most bytes in place (``tenplex.reconfigure``'s renumbering) and form the new group
+            in that order (:meth:`Membership.form`); ``False`` keeps the contiguous numbering.
+            Without a membership the default group stays as it is, so nothing is renumbered.
 
     Returns:
         :class:`Changed`.
@@ -104,17 +113,65 @@ def change(parts: Parts | None, build: Callable[[ParallelConfig], tuple], *, spe
         state = export_state(*parts, spec=spec, consumed_samples=consumed_samples, tree=tree)
         destroy_parallel_state()
         parts = None
-    process = membership.process if membership is not None else dist.get_rank()
-    if membership is not None and new.world_size > old.world_size:
-        membership.form(new.world_size)
     report = None
-    if process < max(old.world_size, new.world_size):
-        state, report = transfer(state, tree, old, new, **({"comm": comm()} if comm else {}))
-    if membership is not None and new.world_size < old.world_size:
-        membership.form(new.world_size)
+    if membership is None:
+        state, report = transfer(state, tree, old, new, renumber=False,
+                                 **({"comm": comm()} if comm else {}))
+    else:
+        state, report = _moved(state, tree, old, new, membership, comm, renumber)
     if state is None:
         return Changed(None, None, report, time.perf_counter() - start)
     return _resume(state, build, spec, new, seed, tree, report, start)
+
+
+def _moved(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Membership,
+           comm, renumber: bool):
+    """The transfer over the transition group, then the new group formed in the new order.
+
+    The transition group is the current group when shrinking (or at one size), else the
+    current group's processes in their order followed by the lowest parked ones; transition
+    rank ``r < old.world_size`` holds old rank ``r``. Returns ``(state, report)``, as
+    :func:`transfer` on a process of the transition group, else ``(None, None)``.
+    """
+    members = list(membership.members) or list(range(old.world_size))
+    if new.world_size > old.world_size:
+        extra = [p for p in range(new.world_size + len(members)) if p not in members]
+        members += extra[: new.world_size - old.world_size]
+        membership.form(new.world_size, order=members)
+    out, report = None, None
+    if membership.rank is not None:
+        out, report = transfer(state, tree, old, new, renumber=renumber,
+                               **({"comm": comm()} if comm else {}))
+    if report is None and membership.generation is None:
+        return None, None  # not joined yet: it learns the groups from the store when needed
+    report = _shared(membership, report)
+    dst_of = report.dst_of
+    order = [None] * new.world_size
+    for rank, process in enumerate(members):
+        if rank < len(dst_of) and dst_of[rank] is not None:
+            order[dst_of[rank]] = process
+    if order != members:
+        membership.form(new.world_size, order=order)
+    return out, report
+
+
+def _shared(membership: Membership, report):
+    """The transfer's report on every process of the job, parked ones too.
+
+    Processes of the transition group hold it (it is the same on all of them); the others read
+    it from the store, where the group's rank 0 writes it under the group's generation.
+    """
+    import dataclasses
+
+    from tenplex.elastic import ReconfigureReport
+
+    key = f"tenplex/change/{membership.generation}/report"
+    if report is not None:
+        if membership.rank == 0:
+            membership.store.set(key, json.dumps(dataclasses.asdict(report)))
+        return report
+    membership.store.wait([key], membership.timeout)
+    return ReconfigureReport(**json.loads(membership.store.get(key)))
 
 
 def _resume(state, build, spec, config, seed, tree, report, start) -> Changed:

@@ -6,8 +6,9 @@ change of world size needs a new default group. :class:`Membership` re-forms
 it through one key-value store that outlives every group (torchrun's agent
 store): the job's processes are numbered once (``process``, torchrun's first
 ``RANK``); a config of world size ``W`` runs on processes ``0 .. W-1``
-(process ``p`` holds rank ``p``) and the others are parked until a later
-config needs them. Every process calls :meth:`Membership.form` at the same
+(process ``p`` holds rank ``p``), or on the processes a live change chose
+to keep the most bytes in place, in its order (``form(W, order=...)``),
+and the others are parked until a later config needs them. Every process calls :meth:`Membership.form` at the same
 points. Unnamed groups are numbered by generation; a process that joins late
 (a replacement, a newcomer) learns the generation from process 0's
 announcements in the store, so every group is named the same on every
@@ -17,6 +18,7 @@ process, whoever joined when (see :meth:`Membership.form`).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 import torch
@@ -43,6 +45,8 @@ class Membership:
         self.store, self.process, self.backend, self.timeout = store, process, backend, timeout
         self.generation: int | None = None   # unnamed groups formed; None until known (see form)
         self.size = 0
+        self.members: list[int] = []   # the last group's processes, in rank order (known: formed it)
+        self.rank: int | None = None   # this process's rank in it (None: parked)
 
     @classmethod
     def from_env(cls, **kwargs) -> "Membership":
@@ -86,16 +90,18 @@ class Membership:
             dist.destroy_process_group()
         gc.collect()
         self.size = 0
+        self.rank = None
 
-    def form(self, size: int, name: str | None = None) -> bool:
-        """Leave the current default group; processes ``0 .. size-1`` form a new one.
+    def form(self, size: int, name: str | None = None, order: list[int] | None = None) -> bool:
+        """Leave the current default group; processes ``order`` (default ``0 .. size-1``) form
+        a new one, process ``order[i]`` at rank ``i``.
 
         Every group is named the same on every process, whoever joined when:
 
-        - an unnamed group is number ``g`` (its generation); process 0 is in
-          every group and announces each ``g`` it forms in the store, and a
-          process that does not know the job's generation yet (a newcomer, or a
-          replacement) takes the first announced group that needs it;
+        - an unnamed group is number ``g`` (its generation); process 0 announces
+          each ``g`` and its members in the store (whether or not it is one of
+          them), and a process that does not know the job's generation yet (a
+          newcomer, or a replacement) takes the first announced group that needs it;
         - after any group is formed, its members go on from the highest
           generation any of them knew, so a replacement that met the survivors
           in a named group continues in step with them.
@@ -105,46 +111,59 @@ class Membership:
             name: the group's name in the store (default: the next generation
                 number); processes that meet on purpose, e.g. survivors and a
                 replacement after a failure, pass the same name.
+            order: the group's processes in rank order (``size`` distinct
+                process numbers; the same on every process): a live change
+                renumbered to keep the most bytes in place
+                (``ReconfigureReport.dst_of``, see :func:`~tenplex_megatron.live.change`).
 
         Returns:
-            Whether this process is in the new group (rank ``process``).
+            Whether this process is in the new group (at rank :attr:`rank`).
+
+        Raises:
+            ValueError: ``order`` is not ``size`` distinct process numbers.
         """
         import torch.distributed as dist
 
+        members = list(range(size)) if order is None else [int(p) for p in order]
+        if len(members) != size or len(set(members)) != size or min(members, default=0) < 0:
+            raise ValueError(f"Membership.form: order must be {size} distinct process numbers, "
+                             f"found {order}")
         key = name
         if name is None:
             if self.generation is None and self.process != 0:
-                if self.process >= size:
+                if self.process not in members:
                     self.leave()
                     return False
-                self.generation = self._announced(size) - 1
+                self.generation = self._announced() - 1
+                members = json.loads(self.store.get(f"{_KEYS}/enter/{self.generation + 1}"))
             self.generation = (self.generation or 0) + 1
             key = str(self.generation)
             if self.process == 0:
-                self.store.set(f"{_KEYS}/enter/{key}", str(size))
+                self.store.set(f"{_KEYS}/enter/{key}", json.dumps(members))
                 self.store.set(f"{_KEYS}/generation", key)
         self.leave()
-        self.size = size
-        if self.process >= size:
+        self.size, self.members = size, members
+        if self.process not in members:
             return False
+        self.rank = members.index(self.process)
         group = dist.PrefixStore(f"tenplex/group/{key}", self.store)
         self._agree(group, size)
-        dist.init_process_group(self.backend, store=group, rank=self.process, world_size=size,
+        dist.init_process_group(self.backend, store=group, rank=self.rank, world_size=size,
                                 timeout=self.timeout)
-        if name is None and self.process == 0:
+        if name is None and self.rank == 0:
             self.store.set(f"{_KEYS}/formed/{key}", "1")
         return True
 
-    def _announced(self, size: int) -> int:
+    def _announced(self) -> int:
         """The generation of the first unnamed group process 0 forms that needs this process.
 
-        Groups already formed (``formed/g`` set) and groups too small for this
-        process are skipped; the loop waits for process 0's next announcement.
+        Groups already formed (``formed/g`` set) and groups this process is not
+        a member of are skipped; the loop waits for process 0's next announcement.
         """
         g = int(self.store.get(f"{_KEYS}/generation")) if self.store.check([f"{_KEYS}/generation"]) else 1
         while True:
             self.store.wait([f"{_KEYS}/enter/{g}"], self.timeout)
-            if int(self.store.get(f"{_KEYS}/enter/{g}")) > self.process and \
+            if self.process in json.loads(self.store.get(f"{_KEYS}/enter/{g}")) and \
                     not self.store.check([f"{_KEYS}/formed/{g}"]):
                 return g
             g += 1

@@ -42,6 +42,7 @@ def test_short_bf16_demo_moves_live_at_the_lower_bound(tmp_path):
     changes = summary["phases"][1:]
     assert [row["change"] for row in changes] == ["live"] * 3
     assert all(row["moved"] == row["lower_bound"] > 0 for row in changes), changes
+    assert all(0 <= row["placement_bound"] <= row["moved"] for row in changes), changes
     assert {1, 2} <= _steps(summary["bit_exact_steps"])  # phase 1 is the static run's own config
 
 

@@ -43,9 +43,11 @@ def test_megatron_elastic_example_runs_under_torchrun():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     last = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(last) == {"max_loss_diff", "samples_match", "reconfig_s", "moved_over_lower_bound"}
+    assert set(last) == {"max_loss_diff", "samples_match", "reconfig_s", "moved_over_lower_bound",
+                         "moved_over_placement_bound"}
     assert last["samples_match"] is True
     assert last["moved_over_lower_bound"] == 1.0
+    assert last["moved_over_placement_bound"] >= 1.0  # no numbering moves less than the bound
     assert 0 < last["reconfig_s"]
     assert last["max_loss_diff"] <= 1e-5      # fp32: reduction-order rounding only (measured 2.4e-7)
     assert done.stdout.count("moved ") == 3

@@ -68,10 +68,28 @@ def _check_rows(tmp_path, start, rows, configs, distributed):
         assert row["samples"] == [corpus.global_batch(row["consumed_before"] + k * batch, batch).tolist()
                                   for k in range(w.STEPS)]              # the global sample order goes on
         counted = sum(_read(tmp_path, f"sent-{i}-{p}") or 0 for p in range(4))
-        plan = make_plan(spec.tree(old, new), old, new)
+        tree = spec.tree(old, new)
+        plan = make_plan(tree, old, new, **_numbered(row["dst_of"], old, new))
         assert counted == row["sent"] == row["planned_moved"] == row["lower_bound"] == plan.totals.lower_bound
+        # renumbered (the default): no more than the contiguous numbering, often less
+        contiguous = make_plan(tree, old, new).totals.lower_bound
+        assert row["sent"] < contiguous or row["dst_of"] == _contiguous(old, new), (row, contiguous)
         if distributed:
             _no_optimizer_gather(spec.tree(old, new), old, new, plan)
+
+
+def _contiguous(old, new) -> list:
+    return [r if r < new.world_size else None for r in range(max(old.world_size, new.world_size))]
+
+
+def _numbered(dst_of, old, new) -> dict:
+    """make_plan's placements for a change whose transition process ``p`` held old rank ``p``
+    and holds new rank ``dst_of[p]`` (one device per process)."""
+    from tenplex.transform.placement import Device, Placement
+    device = [Device("h", p) for p in range(len(dst_of))]
+    process_of = {r: p for p, r in enumerate(dst_of) if r is not None}
+    return {"src_placement": Placement(tuple(device[:old.world_size])),
+            "dst_placement": Placement(tuple(device[process_of[r]] for r in range(new.world_size)))}
 
 
 def test_change_sequence_matches_static_runs_bit_for_bit(tmp_path):
