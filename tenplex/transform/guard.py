@@ -16,7 +16,8 @@ collectives, so no wait outlasts what it states:
   :meth:`TransferGuard.agreeing`) keep their types.
 - **Waiting.** Gathers go through the store: the last process to arrive
   sets a key, and the others block on it (``Store.wait``, on a second
-  connection to the store, so the heartbeat thread keeps its own), so a
+  connection to the store, so the heartbeat thread keeps its own, in waits
+  of at most ``WAIT_SLICE`` seconds so that signal handlers run), so a
   gather ends as soon as the last process arrives; a published failure
   sets the same keys. A store that cannot open a second connection is
   polled (every 1 to 50 ms). Rounds of point-to-point transfers are waited
@@ -65,6 +66,9 @@ PHASES = ("plan", "agree", "first round", "middle round", "local copy", "store r
 
 LINGER = 10.0
 """Seconds process 0 keeps the store up, at most, until every process has left a transfer."""
+
+WAIT_SLICE = 0.5
+"""Seconds one blocking store wait lasts at most before control returns to Python (signals)."""
 
 GATHERS = ("inputs", "agree", "confirm", "cleared", "written", "committed")
 """Every gather name a guarded transfer may use (a published failure releases all of them)."""
@@ -223,10 +227,14 @@ class TransferGuard:
                           f"{self.phase_name!r} for the other processes; one is hung")
 
     def _block(self, key: str, start: float) -> None:
-        """Block until ``key`` is set (or ``self.hang`` seconds after ``start``), on a second
-        connection to the store: a TCPStore client runs one request at a time, and the
-        heartbeat thread must not wait behind this one. Returns at once, leaving the caller
-        to poll, where the store cannot open a second connection."""
+        """Block until ``key`` is set, for at most :data:`WAIT_SLICE` seconds (and never past
+        ``self.hang`` seconds after ``start``), on a second connection to the store: a TCPStore
+        client runs one request at a time, and the heartbeat thread must not wait behind this
+        one. The caller loops. Each return to Python lets signal handlers run: torchrun stops the
+        other workers with SIGTERM when one fails, and a process blocked in one long ``wait``
+        would run its handler (and remove its files) only when the wait ended, at the hang
+        bound, when torchrun's SIGKILL may already have come. Returns at once, leaving the
+        caller to poll, where the store cannot open a second connection."""
         if self._wait_store is None:
             try:
                 self._wait_store = self.store.clone()
@@ -236,10 +244,12 @@ class TransferGuard:
             return
         left = self.hang - (time.monotonic() - start)
         try:
-            self._wait_store.wait([key], datetime.timedelta(seconds=max(0.001, left)))
+            self._wait_store.wait([key], datetime.timedelta(seconds=max(0.001, min(WAIT_SLICE, left))))
         except Exception as exc:
             if time.monotonic() - start >= self.hang:
                 raise self._hung() from exc
+            if _is_wait_timeout(exc):
+                return
             with self._store_op():  # the store is gone: the one message every process raises
                 raise exc
 
@@ -343,6 +353,17 @@ class TransferGuard:
                 self.store.delete_key(f"{name}/{self.comm.rank}")
         except Exception:  # cleanup only: the transfer has succeeded
             pass
+
+
+def _is_wait_timeout(exc: BaseException) -> bool:
+    """Whether a store ``wait`` ended by its timeout (the key is not set yet), not by a lost store.
+
+    torch raises ``DistStoreError`` ("wait timeout after ...") for the first and ``DistNetworkError``
+    for the second; releases without those classes raise ``RuntimeError`` whose text says timeout.
+    """
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return False
+    return isinstance(exc, getattr(dist, "DistStoreError", ())) or "timeout" in str(exc).lower()
 
 
 class _StoreOp:
