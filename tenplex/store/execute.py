@@ -23,6 +23,7 @@ from tenplex.ptree.region import Box, flat_start, is_contiguous, relative, to_sl
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import PTree, Scope, torch_dtype
 from tenplex.store.blocks import box_runs
+from tenplex.store.buffers import BufferPool
 from tenplex.store.source import ShardSource
 from tenplex.transform.plan import OpKind, Plan
 
@@ -62,6 +63,9 @@ class StorePlanRunner:
         self.S = reader.sharding
         self.D = plan.dst_sharding(self.tree)
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads))
+        self.buffers = BufferPool()
+        if hasattr(reader, "buffers"):
+            reader.buffers = self.buffers
         self.bytes_needed = 0
         self._lock = threading.Lock()
         cols = plan.table.cols
@@ -73,6 +77,8 @@ class StorePlanRunner:
 
     def close(self) -> None:
         self.pool.shutdown()
+        if getattr(self.reader, "buffers", None) is self.buffers:
+            self.reader.buffers = None
 
     def _rows(self, path: str, ranks: set[int]) -> list[_Op]:
         i = self._index.get(path)
@@ -120,7 +126,7 @@ class StorePlanRunner:
             if parts is not None:
                 out[rank] = parts[0].view(h.shape) if len(parts) == 1 else parts
                 continue
-            target = out[rank] = torch.empty(h.shape, dtype=dtype)
+            target = out[rank] = self._empty(h.shape, h.numel, dtype, leaf.itemsize)
             for op in ops:
                 tview = self._view(target, h.pieces[op.dst_piece], op.region)
                 if op.src < 0:
@@ -128,6 +134,12 @@ class StorePlanRunner:
                 else:
                     tview.copy_(self._view(sources[id(op)], self._src_piece(path, op), op.region))
         return out
+
+    def _empty(self, shape, numel: int, dtype, itemsize: int) -> torch.Tensor:
+        """An uninitialized target tensor, from the buffer pool when it has data."""
+        if not numel:
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(self.buffers.take(numel * itemsize)).view(dtype).view(shape)
 
     def _tiling(self, path, held, ops, sources):
         """Source views that tile the target in flat order (each contiguous at both ends), or None.

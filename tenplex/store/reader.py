@@ -75,6 +75,8 @@ class StoreReader:
         cache_blocks: boundary blocks kept for the next read (one block each).
         host_cache: a :class:`~tenplex.store.hostcache.HostBlockCache` whose edge
             blocks other processes of this host share (None: no sharing).
+        buffers: a :class:`~tenplex.store.buffers.BufferPool` read buffers come from
+            (None: fresh ones); the store executor sets it while it runs.
 
     Raises:
         ManifestError: see :func:`open_manifest`.
@@ -90,6 +92,7 @@ class StoreReader:
         self.requests = 0
         self.cache_blocks = 64
         self.host_cache = None
+        self.buffers = None
         self._lock = threading.Lock()
         self._checked: set[str] = set()
         self._check_locks: dict[str, threading.Lock] = {}
@@ -239,7 +242,8 @@ class StoreReader:
                 # start before the tensor's first byte, and the last may end past its end
                 span_start = min(lo, missing[0] * frec.block)
                 span_end = max(hi, min((missing[-1] + 1) * frec.block, frec.size))
-            span = np.empty(span_end - span_start, dtype=np.uint8)
+            n = span_end - span_start
+            span = np.empty(n, dtype=np.uint8) if self.buffers is None else self.buffers.take(n)
             for b, data in cached:
                 a = max(b * frec.block, span_start)
                 e = min(b * frec.block + len(data), span_end)
