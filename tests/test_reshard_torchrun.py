@@ -204,3 +204,27 @@ def test_without_an_agent_a_dead_process_is_named_by_every_other_after_the_timeo
         assert "reshard: process 2 stopped: no heartbeat for 10 s" in outs[r], outs[r][-2000:]
     assert not (dst / "manifest.json").exists()
     assert not (dst / "shards").is_dir() or list((dst / "shards").iterdir()) == []
+
+
+def test_process_0s_progress_counts_every_process_s_bytes():
+    """The bar on process 0 is fed by every process's counts (through the job's store)."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from tenplex.distributed_parts import _Counter, _watch
+    store, seen, stop = HashStore(), [], threading.Event()
+    mine, other = _Counter(store, every=0.0), _Counter(store, every=0.0)
+    watcher = threading.Thread(target=_watch, args=(store, 300, lambda d, t: seen.append((d, t)), stop))
+    watcher.start()
+    try:
+        mine(100, 150)          # process 0's own share: 150 bytes
+        other(150, 150)         # another process's share, all written
+        deadline = time.time() + 10
+        while not any(d == 250 for d, _ in seen) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        watcher.join()
+    assert (250, 300) in seen and all(t == 300 for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import os
 import sys
 import traceback
@@ -198,7 +199,15 @@ def run() -> None:
     (a garbage collection over torch's modules and its operator-library finalizers), which
     takes 0.3-1 s after a conversion. Standard output and error are flushed, then the
     process exits with :func:`os._exit`.
+
+    Before :func:`main`, ``gc.freeze()`` puts what the imports made (torch's modules: about
+    170k objects) out of the collector's reach: the process never frees them, yet each full
+    collection walked them all with the GIL held; one during a reshard of the 0.5 GB store of
+    ``bench/reshard_scale.py`` took 0.18 to 0.45 s on a loaded machine. Frozen, none runs.
+    (Not in :func:`main`, which tests call in one long process.)
     """
+    from tenplex.cli import commands  # noqa: F401  (torch and the library, imported first)
+    gc.freeze()
     code = main()
     for stream in (sys.stdout, sys.stderr):
         try:

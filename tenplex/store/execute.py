@@ -4,8 +4,9 @@ Leaf by leaf, the ops of every requested target are grouped by the stored
 tensor they read; each stored tensor is fetched once per leaf, as the union
 of the byte runs its ops need (offsets from the stored tensor's first byte;
 see :meth:`ShardSource.read`), and the ops
-copy their regions into freshly allocated target tensors. Reads of
-different stored tensors run on a thread pool.
+copy their regions into target tensors (fresh ones, or with ``reuse``
+buffers that no tensor refers to any more: :mod:`tenplex.store.buffers`).
+Reads of different stored tensors run on a thread pool.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tenplex.ptree.region import Box, flat_start, is_contiguous, relative, to_sl
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import PTree, Scope, torch_dtype
 from tenplex.store.blocks import box_runs
+from tenplex.store.buffers import BufferPool
 from tenplex.store.source import ShardSource
 from tenplex.transform.plan import OpKind, Plan
 
@@ -45,6 +47,10 @@ class StorePlanRunner:
             :class:`~tenplex.store.reader.StoreReader`); ``plan.src`` must be its config.
         plan: a plan from the stored config.
         threads: stored tensors fetched at once.
+        reuse: take read buffers and assembled targets from a :class:`~tenplex.store.buffers.BufferPool`
+            (for a caller that drops each leaf's tensors once written, as the streaming writer
+            does; a target's storage may then be larger than the target, so a caller that keeps
+            them, or ``torch.save`` s them, should leave it off).
 
     Attributes:
         S: the source :class:`~tenplex.ptree.sharding.Sharding` (``reader.sharding``).
@@ -55,13 +61,16 @@ class StorePlanRunner:
         PlanError: if the plan does not start from the stored config.
     """
 
-    def __init__(self, reader: ShardSource, plan: Plan, threads: int = 8):
+    def __init__(self, reader: ShardSource, plan: Plan, threads: int = 8, reuse: bool = False):
         if plan.src != reader.config:
             raise PlanError(f"plan starts from {plan.src}, the store holds {reader.config}")
         self.reader, self.plan, self.tree = reader, plan, reader.tree
         self.S = reader.sharding
         self.D = plan.dst_sharding(self.tree)
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads))
+        self.buffers = BufferPool() if reuse else None
+        if reuse and hasattr(reader, "buffers"):
+            reader.buffers = self.buffers
         self.bytes_needed = 0
         self._lock = threading.Lock()
         cols = plan.table.cols
@@ -73,6 +82,8 @@ class StorePlanRunner:
 
     def close(self) -> None:
         self.pool.shutdown()
+        if self.buffers is not None and getattr(self.reader, "buffers", None) is self.buffers:
+            self.reader.buffers = None
 
     def _rows(self, path: str, ranks: set[int]) -> list[_Op]:
         i = self._index.get(path)
@@ -120,7 +131,7 @@ class StorePlanRunner:
             if parts is not None:
                 out[rank] = parts[0].view(h.shape) if len(parts) == 1 else parts
                 continue
-            target = out[rank] = torch.empty(h.shape, dtype=dtype)
+            target = out[rank] = self._empty(h.shape, h.numel, dtype, leaf.itemsize)
             for op in ops:
                 tview = self._view(target, h.pieces[op.dst_piece], op.region)
                 if op.src < 0:
@@ -128,6 +139,12 @@ class StorePlanRunner:
                 else:
                     tview.copy_(self._view(sources[id(op)], self._src_piece(path, op), op.region))
         return out
+
+    def _empty(self, shape, numel: int, dtype, itemsize: int) -> torch.Tensor:
+        """An uninitialized target tensor, from the buffer pool when it has data."""
+        if not numel or self.buffers is None:
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(self.buffers.take(numel * itemsize)).view(dtype).view(shape)
 
     def _tiling(self, path, held, ops, sources):
         """Source views that tile the target in flat order (each contiguous at both ends), or None.

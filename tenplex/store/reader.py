@@ -26,6 +26,11 @@ from tenplex.store.url import StoreRoot, translate_errors
 
 __all__ = ["StoreReader", "open_manifest"]
 
+VIEW_SPAN = 8 << 20
+"""A read buffer up to this size (8 MiB) stays alive while its boundary blocks are cached (views,
+no copy); the boundary blocks of a larger one are copied (a copy of 1 MiB per MiB read cost a
+third of a reshard's CPU time when each tensor held a few MiB)."""
+
 
 def open_manifest(root: StoreRoot) -> Manifest:
     """Read and check ``root``'s manifest (at most ``MAX_MANIFEST`` bytes are read).
@@ -70,6 +75,8 @@ class StoreReader:
         cache_blocks: boundary blocks kept for the next read (one block each).
         host_cache: a :class:`~tenplex.store.hostcache.HostBlockCache` whose edge
             blocks other processes of this host share (None: no sharing).
+        buffers: a :class:`~tenplex.store.buffers.BufferPool` read buffers come from
+            (None: fresh ones); the store executor sets it while it runs.
 
     Raises:
         ManifestError: see :func:`open_manifest`.
@@ -85,6 +92,7 @@ class StoreReader:
         self.requests = 0
         self.cache_blocks = 64
         self.host_cache = None
+        self.buffers = None
         self._lock = threading.Lock()
         self._checked: set[str] = set()
         self._check_locks: dict[str, threading.Lock] = {}
@@ -170,9 +178,7 @@ class StoreReader:
         if end <= start:
             return memoryview(b"")
         blocks = needed_blocks(np.array([start]), np.array([end]), frec.block, frec.size)
-        span_start = int(blocks[0]) * frec.block
-        span = np.empty(min((int(blocks[-1]) + 1) * frec.block, frec.size) - span_start, np.uint8)
-        self._fill(key, frec, blocks, span, span_start)
+        span, span_start = self._fill(key, frec, blocks, start, end)
         return memoryview(span)[start - span_start: end - span_start]
 
     def read(self, rec: TensorRecord, starts: np.ndarray | None = None,
@@ -197,12 +203,7 @@ class StoreReader:
         blocks = needed_blocks(starts + rec.offset, ends + rec.offset, frec.block, frec.size)
         if not len(blocks):
             return torch.empty(rec.shape, dtype=dtype)
-        # the buffer covers the whole tensor and every needed block: the first needed
-        # block may start after the tensor's first byte, and the last may end past its end
-        span_start = min(int(blocks[0]) * frec.block, rec.offset)
-        span_end = max(min((int(blocks[-1]) + 1) * frec.block, frec.size), rec.offset + rec.nbytes)
-        span = np.empty(span_end - span_start, dtype=np.uint8)
-        self._fill(rec.file, frec, blocks, span, span_start)
+        span, span_start = self._fill(rec.file, frec, blocks, rec.offset, rec.offset + rec.nbytes)
         lo = rec.offset - span_start
         raw = span[lo: lo + rec.nbytes]
         if lo % dtype.itemsize:  # a misaligned tensor (rare): copy it to aligned memory
@@ -210,18 +211,21 @@ class StoreReader:
         tensor = torch.from_numpy(raw).view(dtype)
         return tensor.view(rec.shape) if prod(rec.shape) else tensor.reshape(rec.shape)
 
-    def _fill(self, key: str, frec, blocks: np.ndarray, span: np.ndarray, span_start: int) -> None:
-        """Put ``blocks`` of file ``key`` into ``span`` (file bytes from ``span_start``), verified.
+    def _fill(self, key: str, frec, blocks: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """A buffer with ``blocks`` of file ``key`` in place, verified; ``(span, span_start)``.
 
-        Cached boundary blocks are copied in; the others are read straight into
-        ``span`` (``readinto`` on local files). Fetches from one file are
-        serialized (files are read in parallel), so two neighbouring tensors
-        never fetch their shared boundary block twice.
+        ``span`` holds file bytes from ``span_start``: all of ``[lo, hi)`` (the tensor or the
+        range asked for) and every block fetched now, whole (a block is verified whole).
+        A cached boundary block (verified when fetched) is copied in only where it meets
+        ``[lo, hi)``, so a small tensor inside a cached block costs a copy of its own bytes,
+        not of the block. The others are read straight into ``span`` (``readinto`` on local
+        files). Fetches from one file are serialized (files are read in parallel), so two
+        neighbouring tensors never fetch their shared boundary block twice.
         """
         with self._lock:
             file_lock = self._file_locks.setdefault(key, threading.Lock())
         with file_lock:
-            missing = []
+            missing, cached = [], []
             with self._lock:
                 for b in blocks.tolist():
                     data = self._cache.get((key, b))
@@ -231,12 +235,25 @@ class StoreReader:
                         data = self._shared(key, frec, b)
                     if data is None:
                         missing.append(b)
-                        continue
-                    a = b * frec.block - span_start
-                    span[a: a + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                    else:
+                        cached.append((b, data))
+            span_start, span_end = lo, hi
+            if missing:  # the buffer covers the tensor and every block fetched: the first may
+                # start before the tensor's first byte, and the last may end past its end
+                span_start = min(lo, missing[0] * frec.block)
+                span_end = max(hi, min((missing[-1] + 1) * frec.block, frec.size))
+            n = span_end - span_start
+            span = np.empty(n, dtype=np.uint8) if self.buffers is None else self.buffers.take(n)
+            for b, data in cached:
+                a = max(b * frec.block, span_start)
+                e = min(b * frec.block + len(data), span_end)
+                if e > a:
+                    span[a - span_start: e - span_start] = np.frombuffer(
+                        data, dtype=np.uint8)[a - b * frec.block: e - b * frec.block]
             runs = coalesce(np.asarray(missing, dtype=np.int64), MERGE_GAP // frec.block)
             if runs:
                 self._fetch(key, frec, runs, span, span_start)
+        return span, span_start
 
     def _shared(self, key: str, frec, index: int) -> bytes | None:
         """An edge block another process of this host fetched (checked against its digest), or None."""
@@ -281,10 +298,11 @@ class StoreReader:
         with self._lock:
             self.bytes_read += sum(b - a for a, b in zip(starts, ends))
             self.requests += len(runs)
+            keep = bytes if span.nbytes > VIEW_SPAN else (lambda v: v)  # a view keeps ``span`` alive
             for first, last in runs:  # boundary blocks are likely shared with the next tensor
                 for index in {first, last - 1}:
                     a = index * frec.block - span_start
-                    self._cache[(key, index)] = bytes(view[a: min(a + frec.block, frec.size - span_start)])
+                    self._cache[(key, index)] = keep(view[a: min(a + frec.block, frec.size - span_start)])
             while len(self._cache) > self.cache_blocks:
                 self._cache.popitem(last=False)
         if self.host_cache is not None:  # leave edge blocks for this host's other processes

@@ -82,7 +82,9 @@ def seal(folder: str, files: Iterable[str]) -> dict[str, list]:
 
 
 def remove_files(folder: str, files: Iterable[str]) -> None:
-    """Remove ``files`` (relative to ``folder``) and the folders they leave empty; best effort."""
+    """Remove ``files`` (relative to ``folder``) and the folders they leave empty, ``folder`` too
+    (the run's: a part that fails after the committing process removed the run's folder may have
+    made it again); best effort."""
     for rel in files:
         path = os.path.join(folder, rel)
         try:
@@ -95,6 +97,10 @@ def remove_files(folder: str, files: Iterable[str]) -> None:
                 os.rmdir(parent)  # only when empty
         except OSError:
             pass
+    try:
+        os.rmdir(folder)  # only when empty: the other parts' files keep it
+    except OSError:
+        pass
 
 
 def _checked(folder: str, parts: Sequence[Mapping]) -> dict[str, list]:

@@ -21,6 +21,7 @@ import torch
 
 from tenplex.api import load_global, reshard, verify
 from tenplex.errors import TenplexError
+from tenplex.formats import get_format
 from tenplex.ptree.config import ParallelConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -54,7 +55,16 @@ def test_four_processes_reshard_a_megatron_checkpoint_as_one_process_does(source
         else:
             assert v == b[k], k
     assert sorted(r for p in report["processes"] for r in p["ranks"]) == [0, 1, 2, 3]
+    # the reads, counted. Opening the source (its pickles or DCP index, and the tied-copy check)
+    # costs each process what it costs one (not shared yet: issue 25's byte goal is not met for
+    # Megatron sources); beyond that each process reads only the tensor bytes its files need
+    # (legacy: 4 x 273 KB of pickles against 567 KB of tensors on this small model)
+    opened = get_format(f"megatron-{fmt}").open_source(str(src)).bytes_read
+    for p in report["processes"][1:]:  # process 0 also reads the values (RNG states, steps)
+        assert p["bytes_read"] - opened <= 1.05 * p["bytes_needed"], p
+    assert report["bytes_read"] <= 1.05 * one.bytes_needed + (one.bytes_read - one.bytes_needed) + 3 * opened
     print(json.dumps({"format": fmt, "bytes_read": report["bytes_read"], "single_needed": one.bytes_needed,
+                      "opened_per_process": opened,
                       "single_read": one.bytes_read,
                       "per_process": [p["bytes_read"] for p in report["processes"]]}))
 

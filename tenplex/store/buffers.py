@@ -1,0 +1,75 @@
+"""Reused byte buffers for a streaming reshard: no page faults on every read.
+
+A reshard streams the whole checkpoint through read buffers and target
+tensors that live for one leaf each. Fresh buffers of a MiB or more come
+from ``mmap`` (always, under the CLI's ``M_MMAP_THRESHOLD``; see
+:func:`tenplex.cli.main._return_freed_memory`), so every byte read or
+assembled first costs a page fault and a zeroed page: measured on the
+0.5 GB bench store (``bench/reshard_scale.py``), 0.3 CPU s per 0.5 GB, as
+much as reading it. A :class:`BufferPool` hands out buffers again once
+nothing refers to them.
+
+A buffer is free when no object but the pool refers to it (CPython's
+reference count): every view of it (a numpy slice, ``torch.from_numpy``, a
+``memoryview``) holds a reference to it, so a buffer with a live tensor,
+or a boundary block a reader keeps as a view, is never handed out again.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+__all__ = ["BufferPool", "POOLED_MIN", "POOL_BYTES"]
+
+POOLED_MIN = 256 << 10
+"""Smaller requests (256 KiB) are served by ``np.empty`` (the heap, no ``mmap``)."""
+
+POOL_BYTES = 1 << 30
+"""Most bytes of buffers a pool keeps (1 GiB); past it, requests get fresh buffers."""
+
+
+def _refs(buffer: np.ndarray) -> int:
+    return sys.getrefcount(buffer)
+
+
+class BufferPool:
+    """Byte buffers by size class (powers of two from :data:`POOLED_MIN`), reused when unreferenced.
+
+    Thread-safe. Args:
+        limit: most bytes kept (:data:`POOL_BYTES`).
+    """
+
+    def __init__(self, limit: int = POOL_BYTES):
+        self.limit = limit
+        self.kept = 0
+        self.reused = 0
+        self._classes: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        probe: list = [np.empty(1, np.uint8)]
+        self._idle = self._count(probe)  # references to a buffer that only the pool holds
+
+    @staticmethod
+    def _count(buffers: list) -> int:
+        for buffer in buffers:
+            return _refs(buffer)
+        return 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A ``uint8`` array of ``nbytes`` (contents undefined), page-aligned if pooled."""
+        if nbytes < POOLED_MIN:
+            return np.empty(nbytes, np.uint8)
+        size = 1 << (nbytes - 1).bit_length()
+        with self._lock:
+            buffers = self._classes.setdefault(size, [])
+            for buffer in buffers:
+                if _refs(buffer) == self._idle:
+                    self.reused += nbytes
+                    return buffer[:nbytes]
+            buffer = np.empty(size, np.uint8)
+            if self.kept + size <= self.limit:
+                buffers.append(buffer)
+                self.kept += size
+        return buffer[:nbytes]

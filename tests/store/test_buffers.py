@@ -1,0 +1,59 @@
+"""The reshard's buffer pool hands a buffer out again only when nothing refers to it."""
+
+import numpy as np
+import torch
+
+from tenplex.store.buffers import POOLED_MIN, BufferPool
+
+
+def test_a_referenced_buffer_is_never_handed_out_and_a_released_one_is():
+    pool = BufferPool()
+    a = pool.take(POOLED_MIN * 3)
+    address = a.ctypes.data
+    tensor = torch.from_numpy(a[10:20]).view(torch.int16)  # a view: a keeps being used
+    del a
+    b = pool.take(POOLED_MIN * 3)
+    assert b.ctypes.data != address
+    view = memoryview(b)
+    del b
+    c = pool.take(POOLED_MIN * 4)  # same size class (4 x POOLED_MIN)
+    assert c.ctypes.data not in (address, np.frombuffer(view, np.uint8).ctypes.data)
+    del tensor, c
+    d = pool.take(POOLED_MIN * 3 + 1)
+    assert d.ctypes.data == address and len(d) == POOLED_MIN * 3 + 1
+    assert pool.reused == POOLED_MIN * 3 + 1
+
+
+def test_small_requests_and_the_limit_are_not_pooled():
+    pool = BufferPool(limit=POOLED_MIN * 4)
+    assert len(pool.take(100)) == 100 and pool.kept == 0
+    keep = [pool.take(POOLED_MIN * 4) for _ in range(2)]
+    assert pool.kept == POOLED_MIN * 4 and all(len(k) == POOLED_MIN * 4 for k in keep)
+
+
+def test_a_small_tensor_inside_a_cached_block_is_copied_alone(tmp_path, monkeypatch):
+    """Reading the tensors of a file in order, each block is fetched once; a tensor that lies
+    inside a block fetched for its neighbour gets a buffer of its own size, not the block's."""
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex.store.reader import StoreReader
+    from tenplex.store.writer import save
+
+    from .helpers import SPEC, state_of
+    config = ParallelConfig(dp=1, tp=1, pp=1)
+    tree, _, shards = state_of(SPEC, config, 0)
+    save(str(tmp_path / "ck"), tree, config, shards, block=1 << 16)
+    reader = StoreReader(str(tmp_path / "ck"))
+    recs = sorted(reader.manifest.tensors.values(), key=lambda r: r.offset)
+    block = reader.manifest.files[recs[0].file].block
+    sizes, empty = [], np.empty
+    monkeypatch.setattr(np, "empty", lambda n, *a, **k: sizes.append(n) or empty(n, *a, **k))
+    inside = 0
+    for prev, rec in zip(recs, recs[1:]):
+        sizes.clear()
+        reader.read(rec)
+        first, last = rec.offset // block, (rec.offset + rec.nbytes - 1) // block
+        if rec.nbytes and first == last == (prev.offset + prev.nbytes - 1) // block:
+            inside += 1  # its only block was fetched for the tensor before it
+            assert sizes and max(sizes) <= rec.nbytes, (rec.path, rec.nbytes, sizes)
+    assert inside >= 3
+    assert reader.bytes_read <= reader.manifest.files[recs[0].file].size  # no block fetched twice
