@@ -150,7 +150,7 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
     """Reshard ``src`` to ``to`` at ``dst`` with every process of ``comm``; call it on each of them.
 
     The target is a tenplex store, or any format that writes in parts
-    (``parts = True``: megatron-legacy, megatron-dist; see
+    (``parts = True``: megatron-legacy, megatron-dist, hf; see
     :mod:`tenplex.formats.protocol` and :func:`tenplex.distributed_parts.reshard_parts`);
     the source may be any installed format.
     ``src``, ``dst`` and the store must be reachable by every process (a

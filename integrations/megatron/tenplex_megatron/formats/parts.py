@@ -29,7 +29,7 @@ from tenplex.store.split import split_weights
 from tenplex_megatron.formats.checks import file_digest
 from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 
-__all__ = ["part_folder", "part_ranks", "seal", "remove_files", "commit_parts", "abort_parts"]
+__all__ = ["part_folder", "part_ranks", "seal", "remove_files", "checked_parts", "commit_parts", "abort_parts"]
 
 
 def part_folder(root: str, iteration, token: str) -> str:
@@ -103,7 +103,7 @@ def remove_files(folder: str, files: Iterable[str]) -> None:
         pass
 
 
-def _checked(folder: str, parts: Sequence[Mapping]) -> dict[str, list]:
+def checked_parts(folder: str, parts: Sequence[Mapping]) -> dict[str, list]:
     """Every part's files, checked against the files the target needs and the disk.
 
     Raises:
@@ -141,13 +141,13 @@ def commit_parts(root: str, parts: Sequence[Mapping], token: str, finish=None) -
     into place, then write the tracker; ``{"bytes_written", "files", "checksums"}``.
 
     Raises:
-        CorruptShardError: as :func:`_checked`; nothing is visible.
+        CorruptShardError: as :func:`checked_parts`; nothing is visible.
         AlreadyExistsError: the iteration folder appeared meanwhile.
     """
     iteration = parts[0]["iteration"]
     name = iteration_dir_name(iteration)
     folder = os.path.join(root, f".{name}.tmp-{token}")
-    files = _checked(folder, parts)
+    files = checked_parts(folder, parts)
     if finish is not None:
         finish(folder)
     final = os.path.join(root, name)

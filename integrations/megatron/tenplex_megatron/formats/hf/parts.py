@@ -30,7 +30,7 @@ from tenplex.errors import AlreadyExistsError
 from tenplex.formats.protocol import Part
 from tenplex.store.split import split_weights
 
-from tenplex_megatron.formats.parts import _checked, seal
+from tenplex_megatron.formats.parts import checked_parts, seal
 
 __all__ = ["partial_folder", "part_folder", "my_files", "write_meta", "seal", "commit_hf", "abort_hf",
            "INDEX", "CONFIG"]
@@ -73,11 +73,11 @@ def commit_hf(dst: str, parts: Sequence[Mapping], token: str) -> dict:
 
     Raises:
         CorruptShardError: a file reported twice or not at all, or missing or of another size on
-            disk (:func:`tenplex_megatron.formats.parts._checked`); nothing is visible.
+            disk (:func:`tenplex_megatron.formats.parts.checked_parts`); nothing is visible.
         AlreadyExistsError: ``dst`` appeared meanwhile and is not an empty directory.
     """
     folder = partial_folder(dst, token)
-    files = _checked(folder, parts)
+    files = checked_parts(folder, parts)
     write_meta(folder, parts[0]["index"], parts[0]["config"])
     seal(folder, [INDEX, CONFIG])
     if os.path.isdir(dst) and not os.listdir(dst):
