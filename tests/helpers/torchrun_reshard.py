@@ -63,3 +63,32 @@ def worker_rank(pid: int) -> int | None:
         if item.startswith(b"RANK="):
             return int(item[5:])
     return None
+
+
+def kill_mid_run(job: subprocess.Popen, rank: int, started, written, *, wait: float = 240.0) -> tuple[str, float]:
+    """SIGKILL worker ``rank`` of the torchrun ``job`` mid-run; ``(job output, seconds it took to exit)``.
+
+    Once ``started()`` is true (the run's temporary folder exists) the worker is frozen with SIGSTOP,
+    so that the others go on and write their files; once ``written()`` is true it is killed.
+
+    Raises:
+        AssertionError: the job ended before ``started()``, or ``written()`` never came true.
+    """
+    import signal
+    import time
+
+    victim, deadline = None, time.time() + wait
+    while time.time() < deadline and job.poll() is None:
+        if started():
+            victim = next((p for p in descendants(job.pid) if worker_rank(p) == rank), None)
+            os.kill(victim, signal.SIGSTOP)
+            break
+        time.sleep(0.005)
+    assert victim is not None, "no worker to stop: the job ended first"
+    while time.time() < deadline and not written():
+        time.sleep(0.05)
+    assert written(), "the other workers wrote no files"
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    out, _ = job.communicate(timeout=60)
+    return out, time.time() - t0

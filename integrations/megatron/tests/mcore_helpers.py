@@ -69,3 +69,16 @@ def losses(output: str) -> list[float]:
 
 def logits(path) -> torch.Tensor:
     return torch.load(path, weights_only=True)["logits"]
+
+
+def core_torchrun_helpers():
+    """The core's ``tests/helpers/torchrun_reshard.py`` as a module (``torchrun``, ``descendants``,
+    ``worker_rank``, ``kill_mid_run``): integration tests import ``tests.helpers`` only when the
+    repository root is on ``sys.path``, so it is loaded from its file."""
+    import importlib.util
+
+    path = TESTS.parents[2] / "tests" / "helpers" / "torchrun_reshard.py"
+    spec = importlib.util.spec_from_file_location("torchrun_reshard_helpers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

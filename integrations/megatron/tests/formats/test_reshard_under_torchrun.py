@@ -11,7 +11,6 @@ output byte for byte, and a SIGKILLed worker leaves nothing visible.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from tenplex.api import load_global, reshard, verify
 from tenplex.errors import TenplexError
 from tenplex.formats import get_format
 from tenplex.ptree.config import ParallelConfig
+
+from mcore_helpers import core_torchrun_helpers
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -69,17 +70,6 @@ def test_four_processes_reshard_a_megatron_checkpoint_as_one_process_does(source
                       "per_process": [p["bytes_read"] for p in report["processes"]]}))
 
 
-def _launch_helpers():
-    """``descendants``, ``torchrun`` and ``worker_rank`` of the core's tests/helpers/torchrun_reshard.py."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[4] / "tests" / "helpers" / "torchrun_reshard.py"
-    spec = importlib.util.spec_from_file_location("torchrun_reshard_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.descendants, mod.torchrun, mod.worker_rank
-
-
 def _files(root) -> dict[str, bytes]:
     """``{relative path: bytes}`` of every file under ``root`` (hidden temporary folders included)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
@@ -123,32 +113,20 @@ def test_four_processes_write_a_megatron_target_byte_for_byte_as_one_process_doe
 def test_a_killed_worker_commits_no_megatron_checkpoint_and_a_rerun_succeeds(sources, tmp_path):
     """SIGKILL of one worker mid-run: torchrun fails within 60 s, nothing is visible, a rerun verifies
     and equals the single-process legacy output byte for byte."""
-    descendants, torchrun, worker_rank = _launch_helpers()
+    launch = core_torchrun_helpers()
     src, dst, single = sources("mha", 2, 2) / "dist", tmp_path / "dst", tmp_path / "single"
     args = ["reshard", str(src), str(dst), "--to", DST, "--format", "megatron-legacy", "--threads", "1"]
-    job = torchrun(4, args)
-    victim, deadline = None, time.time() + 240
-    while time.time() < deadline and job.poll() is None:  # the parts' folder: the processes write
-        if dst.is_dir() and any(dst.glob(".iter_*.tmp-*")):
-            victim = next((p for p in descendants(job.pid) if worker_rank(p) == 2), None)
-            os.kill(victim, signal.SIGSTOP)  # rank 2 freezes mid-run; the others finish their parts
-            break
-        time.sleep(0.005)
-    assert victim is not None, "no worker to stop: the job ended first"
-    while time.time() < deadline and len(list(dst.rglob("model_optim_rng.pt"))) < 3:
-        time.sleep(0.05)
-    assert len(list(dst.rglob("model_optim_rng.pt"))) >= 3, "the other workers wrote no files"
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.time()
-    out, _ = job.communicate(timeout=60)
-    assert time.time() - t0 < 60
+    job = launch.torchrun(4, args)
+    out, exit_s = launch.kill_mid_run(job, 2, lambda: dst.is_dir() and any(dst.glob(".iter_*.tmp-*")),
+                                      lambda: len(list(dst.rglob("model_optim_rng.pt"))) >= 3)
+    assert exit_s < 60
     assert job.returncode != 0, out[-3000:]
     assert "rank: 2" in out and "SIGKILL" in out, out[-3000:]
     with pytest.raises(TenplexError):
         verify(str(dst))
     time.sleep(1)
     assert [p.name for p in dst.iterdir()] == [], list(dst.rglob("*"))  # no tracker, folder, or part
-    rerun = torchrun(4, args)
+    rerun = launch.torchrun(4, args)
     out, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, out[-3000:]
     verify(str(dst))

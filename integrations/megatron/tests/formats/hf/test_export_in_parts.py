@@ -13,11 +13,7 @@ loads with megatron-core's logits.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import pathlib
-import signal
 import time
 
 import pytest
@@ -27,6 +23,7 @@ from tenplex.errors import CorruptShardError, TenplexError
 from tenplex.formats import Part, detect, get_format
 
 from hf_cases import hf_logits, reference
+from mcore_helpers import core_torchrun_helpers
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SHARD = 100_000
@@ -91,40 +88,18 @@ def test_parts_commit_once_to_the_single_process_export_and_a_bad_part_commits_n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "single"]
 
 
-def _launch_helpers():
-    """``descendants``, ``torchrun`` and ``worker_rank`` of the core's tests/helpers/torchrun_reshard.py."""
-    path = pathlib.Path(__file__).resolve().parents[5] / "tests" / "helpers" / "torchrun_reshard.py"
-    spec = importlib.util.spec_from_file_location("torchrun_reshard_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.descendants, mod.torchrun, mod.worker_rank
-
-
 def test_four_processes_export_as_one_and_a_killed_worker_leaves_nothing(hf_sources, tmp_path):
     """SIGKILL of worker 2 mid-run: torchrun fails within 60 s naming it, nothing is at the destination
     and no partial folder is left; the rerun equals the single-process export byte for byte and
     transformers loads it with megatron-core's logits."""
-    descendants, torchrun, worker_rank = _launch_helpers()
+    launch = core_torchrun_helpers()
     cached = hf_sources("llama", 4, "--tp 2 --pp 2")
     src, dst, single = cached / "dist", tmp_path / "hf", tmp_path / "single"
     args = ["reshard", str(src), str(dst), "--format", "hf", "--max-shard-size", str(SHARD), "--threads", "1"]
-    # --timeout 10: the others learn of the dead process from its silence (their SIGTERM handler
-    # waits behind the store wait they block in), well before torchrun's SIGKILL 30 s after its SIGTERM
-    job = torchrun(4, args + ["--timeout", "10"])
-    victim, deadline = None, time.time() + 240
-    while time.time() < deadline and job.poll() is None:  # the run's folder: the processes write
-        if any(tmp_path.glob("hf.tenplex-partial-*")):
-            victim = next((p for p in descendants(job.pid) if worker_rank(p) == 2), None)
-            os.kill(victim, signal.SIGSTOP)  # rank 2 freezes mid-run; the others write their files
-            break
-        time.sleep(0.005)
-    assert victim is not None, "no worker to stop: the job ended first"
-    while time.time() < deadline and not list(tmp_path.glob("hf.tenplex-partial-*/*.safetensors")):
-        time.sleep(0.05)
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.time()
-    out, _ = job.communicate(timeout=60)
-    assert time.time() - t0 < 60
+    job = launch.torchrun(4, args)  # the default --timeout: torchrun's SIGTERM stops the others
+    out, exit_s = launch.kill_mid_run(job, 2, lambda: any(tmp_path.glob("hf.tenplex-partial-*")),
+                                      lambda: any(tmp_path.glob("hf.tenplex-partial-*/*.safetensors")))
+    assert exit_s < 60
     assert job.returncode != 0, out[-3000:]
     assert "rank: 2" in out and "SIGKILL" in out, out[-3000:]
     with pytest.raises(TenplexError):
@@ -132,7 +107,7 @@ def test_four_processes_export_as_one_and_a_killed_worker_leaves_nothing(hf_sour
     time.sleep(1)
     assert list(tmp_path.iterdir()) == [], (list(tmp_path.rglob("*")), out[-6000:])  # no model, no partial folder
 
-    rerun = torchrun(4, args + ["--json"])  # the default --timeout
+    rerun = launch.torchrun(4, args + ["--json"])
     out, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, out[-3000:]
     report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
