@@ -33,7 +33,15 @@ from tenplex.transform.geometry import LeafGeometry, signature
 from tenplex.transform.placement import Device, Placement
 
 __all__ = ["bytes_in_common", "best_placement", "placement_bound", "sparse_weights",
-           "weight_blocks", "Block", "best_numbering"]
+           "weight_blocks", "Block", "best_numbering", "import_solvers"]
+
+
+def import_solvers() -> None:
+    """Import the scipy solvers that placement and renumbering use (``scipy.optimize``,
+    ``scipy.sparse.csgraph``): 0.3 to 0.5 s the first time on 2 cores. A live job calls it at
+    start so that its first renumbered change does not pay it (``Membership`` does)."""
+    import scipy.optimize  # noqa: F401
+    import scipy.sparse.csgraph  # noqa: F401
 
 
 def bytes_in_common(tree: PTree, src: ParallelConfig, dst: ParallelConfig) -> np.ndarray:

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from tenplex.transform.assign import import_solvers
+
 __all__ = ["Membership", "init_parallel_state", "destroy_parallel_state"]
 
 _KEYS = "tenplex/membership"
@@ -47,6 +49,7 @@ class Membership:
         self.size = 0
         self.members: list[int] = []   # the last group's processes, in rank order (known: formed it)
         self.rank: int | None = None   # this process's rank in it (None: parked)
+        import_solvers()  # at start, not in the first renumbered change
 
     @classmethod
     def from_env(cls, **kwargs) -> "Membership":
