@@ -34,6 +34,7 @@ def instrument() -> dict:
     before a run). Call once per process."""
     import tenplex
     import tenplex.elastic as el
+    import tenplex.transform.parts as parts
     from tenplex.transform.guard import TransferGuard
     from tenplex.transform.plan import Plan
 
@@ -71,7 +72,8 @@ def instrument() -> dict:
             return out
         setattr(owner, name, timed_fn)
 
-    wrap(el, "make_plan", "plan")
+    wrap(parts, "make_plan", "plan")  # reconfigure plans through plan_own_part
+    wrap(parts, "inputs_digest", "digest")
     for name in ("local_problems", "check_same_inputs", "check_local_state", "check_same_plan"):
         wrap(el, name, "checks")
     wrap(el, "execute_distributed", "executor")

@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 CTX = mp.get_context("spawn")
 
 
-def test_renumbered_change_moves_only_the_placement_bound_and_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("whole_up_to", ["0", "8"], ids=["parts", "whole"])
+def test_renumbered_change_moves_only_the_placement_bound_and_is_bit_exact(tmp_path, monkeypatch, whole_up_to):
+    monkeypatch.setenv("TENPLEX_WHOLE_PLAN_UP_TO", whole_up_to)  # each process plans its part, or the whole
     port = free_port()
     procs = [CTX.Process(target=rw.renumber, args=(r, port, str(tmp_path))) for r in range(4)]
     for p in procs:

@@ -15,7 +15,8 @@ of the plan on this process:
    which these ops give exactly, so both ends size it alike.
 
 The cost grows with what this process and its peers hold, never with the
-world. One gather then carries a digest of the plan's inputs
+world. A group of up to :data:`WHOLE_PLAN_UP_TO` processes plans the whole
+world in one call instead: there a part's two calls cost more than one. One gather then carries a digest of the plan's inputs
 (:func:`inputs_digest`), which must be the same everywhere, and the regions
 of this process's targets that no live rank holds, so that a
 :class:`~tenplex.errors.MissingDataError` is raised on every process alike,
@@ -25,6 +26,7 @@ listing every process's regions.
 from __future__ import annotations
 
 import json
+import os
 from typing import Sequence
 
 import numpy as np
@@ -41,7 +43,14 @@ from tenplex.transform.placement import Placement
 from tenplex.transform.plan import FILL_CODE, LINK_CODE, PLAN_SCHEMA, Link, Plan, Totals
 from tenplex.transform.planner import RULES, make_plan, missing_message
 
-__all__ = ["inputs_digest", "peers_of", "plan_own_part"]
+__all__ = ["inputs_digest", "peers_of", "plan_own_part", "WHOLE_PLAN_UP_TO"]
+
+WHOLE_PLAN_UP_TO = 8
+"""Groups of up to this many processes plan the whole world instead of their part: one planner
+call where a part takes two, and in a small world the calls cost the same (``bench/reconfigure.py``,
+4 processes: the whole plan 7.7 ms, a process's own ops 9 ms, then its peers' 9 ms). The executor
+reads the same ops from either. The environment variable ``TENPLEX_WHOLE_PLAN_UP_TO`` overrides
+it (the tests set 0 to run small groups by parts)."""
 
 _STORE = LINK_CODE[Link.STORE]
 
@@ -80,8 +89,8 @@ def peers_of(plan: Plan, src_of: Sequence[int | None], dst_of: Sequence[int | No
 def plan_own_part(guard: TransferGuard, what: str, tree: PTree, src: ParallelConfig,
                   dst: ParallelConfig, *, src_placement: Placement, dst_placement: Placement,
                   alive: set, store_fallback: bool, src_of: Sequence[int | None],
-                  dst_of: Sequence[int | None], shardings: tuple[Sharding, Sharding]
-                  ) -> tuple[Plan, Totals]:
+                  dst_of: Sequence[int | None], shardings: tuple[Sharding, Sharding],
+                  whole_up_to: int | None = None) -> tuple[Plan, Totals]:
     """This process's part of the plan, agreed with every process of ``guard``.
 
     Args:
@@ -91,12 +100,17 @@ def plan_own_part(guard: TransferGuard, what: str, tree: PTree, src: ParallelCon
             as :func:`~tenplex.transform.planner.make_plan`.
         src_of, dst_of: per process, its old and new rank (or ``None``).
         shardings: ``(Sharding(tree, src), Sharding(tree, dst))``.
+        whole_up_to: a group of at most this many processes plans the whole world
+            (default ``TENPLEX_WHOLE_PLAN_UP_TO`` from the environment, else
+            :data:`WHOLE_PLAN_UP_TO`).
 
     Returns:
         ``(plan, totals)``: the partial plan (every op that touches this
-        process or one of its peers, in the whole plan's order) and the totals
-        of this process's own target (zero if it has none); summed over the
-        processes they are the whole plan's (but ``max_sender``).
+        process or one of its peers, in the whole plan's order), or the whole
+        plan in a small group, and the totals of this process's own target (zero
+        if it has none; in a small group, the whole plan's on process 0 and zero
+        elsewhere); summed over the processes they are the whole plan's (but
+        ``max_sender``).
 
     Raises:
         PlanError: the processes' input digests differ; on every process.
@@ -105,6 +119,8 @@ def plan_own_part(guard: TransferGuard, what: str, tree: PTree, src: ParallelCon
         ConfigError: ``dst`` cannot hold the tree (on every process alike).
     """
     me = guard.comm.rank
+    if whole_up_to is None:
+        whole_up_to = int(os.environ.get("TENPLEX_WHOLE_PLAN_UP_TO", WHOLE_PLAN_UP_TO))
     digest = inputs_digest(tree, src, dst, src_placement, dst_placement, alive, store_fallback)
     common = dict(src_placement=src_placement, dst_placement=dst_placement, alive=alive,
                   store_fallback=store_fallback, src_sharding=shardings[0], dst_sharding=shardings[1])
@@ -112,15 +128,25 @@ def plan_own_part(guard: TransferGuard, what: str, tree: PTree, src: ParallelCon
     plan, totals = None, Totals()
     with guard.agreeing():  # a ConfigError (dst cannot hold the tree) is raised everywhere alike
         try:
-            own = make_plan(tree, src, dst, ranks=_ranks([dst_of[me]]), senders=_ranks([src_of[me]]),
-                            **common)
-            totals = own.totals
-            group = sorted(peers_of(own, src_of, dst_of, me) | {me})
-            plan = make_plan(tree, src, dst, ranks=_ranks(dst_of[p] for p in group),
-                             senders=_ranks(src_of[p] for p in group), **common)
+            if guard.comm.size <= whole_up_to:
+                plan = make_plan(tree, src, dst, **common)
+                totals = plan.totals if me == 0 else Totals()
+            else:
+                own = make_plan(tree, src, dst, ranks=_ranks([dst_of[me]]), senders=_ranks([src_of[me]]),
+                                **common)
+                totals = own.totals
+                group = sorted(peers_of(own, src_of, dst_of, me) | {me})
+                plan = make_plan(tree, src, dst, ranks=_ranks(dst_of[p] for p in group),
+                                 senders=_ranks(src_of[p] for p in group), **common)
         except MissingDataError as exc:  # only some processes see it: raised after the gather
             missing = {p: [[list(b.offsets), list(b.sizes)] for b in boxes]
                        for p, boxes in exc.missing.items()}
+    return _agreed(guard, what, tree, digest, missing, plan, totals)
+
+
+def _agreed(guard: TransferGuard, what: str, tree: PTree, digest: str, missing: dict, plan, totals):
+    """``(plan, totals)`` once every process's inputs digest is the same; else PlanError, or the
+    MissingDataError of every process's missing regions, on every process alike."""
     guard.phase("agree")
     blob = {"digest": digest, "missing": missing}
     everyone = [json.loads(b) for b in guard.gather("agree", json.dumps(blob).encode())]

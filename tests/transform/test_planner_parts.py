@@ -112,3 +112,53 @@ def test_every_replica_sends_its_share(dst):
     for r, part in enumerate(parts):  # each sender's own plan says the same
         mine = (part["src"] == r) & (part["link"] != LOCAL) & (part["link"] != STORE)
         assert part["nbytes"][mine].sum() == sent[r]
+
+
+class _OneProcessGuard:
+    """What :func:`plan_own_part` uses of a guard, for process ``rank`` of ``size`` whose peers
+    gathered the same bytes (one process plays each process in turn)."""
+
+    def __init__(self, rank: int, size: int):
+        self.comm = type("Comm", (), {"rank": rank, "size": size})()
+
+    def agreeing(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def phase(self, name):
+        pass
+
+    def gather(self, name, data):
+        return [data] * self.comm.size
+
+
+@pytest.mark.parametrize("src,dst", [(P(dp=2, tp=2, pp=1), P(dp=1, tp=2, pp=3)),
+                                     (P(dp=1, tp=2, pp=3), P(dp=4, tp=1, pp=1))])
+def test_a_small_group_plans_whole_and_a_large_one_its_part_with_the_same_ops(src, dst):
+    """Each process's ops (it sends or receives them) are the same from its part (the path of large
+    groups) and from the whole plan (groups of up to WHOLE_PLAN_UP_TO); the totals add up alike."""
+    from tenplex.ptree.sharding import Sharding
+    from tenplex.transform.parts import plan_own_part
+
+    tree = gpt_tree(GPTSpec(num_layers=6, hidden=32, heads=4, query_groups=2, ffn=64, vocab=50,
+                            swiglu=True, tied=False, optimizer="distributed_adam"))
+    n = max(src.world_size, dst.world_size)
+    src_of = [r if r < src.world_size else None for r in range(n)]
+    dst_of = [r if r < dst.world_size else None for r in range(n)]
+    kw = dict(src_placement=Placement.contiguous(src.world_size), dst_placement=Placement.contiguous(dst.world_size),
+              alive=set(range(src.world_size)), store_fallback=False, src_of=src_of, dst_of=dst_of,
+              shardings=(Sharding(tree, src), Sharding(tree, dst)))
+    whole = make_plan(tree, src, dst, src_placement=kw["src_placement"], dst_placement=kw["dst_placement"],
+                      alive=kw["alive"])
+    sums = {}
+    for whole_up_to in (0, n):  # 0: every group plans its part; n: this group plans whole
+        totals = []
+        for p in range(n):
+            plan, t = plan_own_part(_OneProcessGuard(p, n), "test", tree, src, dst, whole_up_to=whole_up_to, **kw)
+            mine = [[r] if r is not None else [] for r in (dst_of[p], src_of[p])]
+            got, want = _selected(plan, *mine), _selected(whole, *mine)
+            assert all(np.array_equal(got[k], want[k]) for k in OpTable.COLUMNS), (whole_up_to, p)
+            assert (plan.ranks is None) == (whole_up_to == n)  # the whole plan, or a part
+            totals.append(t)
+        sums[whole_up_to] = {f: sum(getattr(t, f) for t in totals) for f in ("needed", "local", "lower_bound")}
+    assert sums[0] == sums[n]
