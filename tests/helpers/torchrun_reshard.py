@@ -66,13 +66,15 @@ def worker_rank(pid: int) -> int | None:
 
 
 def kill_mid_run(job: subprocess.Popen, rank: int, started, written, *, wait: float = 240.0) -> tuple[str, float]:
-    """SIGKILL worker ``rank`` of the torchrun ``job`` mid-run; ``(job output, seconds it took to exit)``.
+    """SIGKILL worker ``rank`` of the torchrun ``job`` mid-run; ``(job output, seconds it took to exit)``,
+    once the job has failed within 60 s naming that rank and SIGKILL.
 
     Once ``started()`` is true (the run's temporary folder exists) the worker is frozen with SIGSTOP,
     so that the others go on and write their files; once ``written()`` is true it is killed.
 
     Raises:
-        AssertionError: the job ended before ``started()``, or ``written()`` never came true.
+        AssertionError: the job ended before ``started()``, ``written()`` never came true, or the
+            job did not fail within 60 s naming the killed rank.
     """
     import signal
     import time
@@ -91,4 +93,8 @@ def kill_mid_run(job: subprocess.Popen, rank: int, started, written, *, wait: fl
     os.kill(victim, signal.SIGKILL)
     t0 = time.time()
     out, _ = job.communicate(timeout=60)
-    return out, time.time() - t0
+    exit_s = time.time() - t0
+    assert exit_s < 60
+    assert job.returncode != 0, out[-3000:]
+    assert f"rank: {rank}" in out and "SIGKILL" in out, out[-3000:]  # torchrun names the killed worker
+    return out, exit_s
