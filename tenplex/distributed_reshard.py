@@ -2,7 +2,9 @@
 
 ``torchrun --nproc_per_node=K -m tenplex reshard SRC DST --to ...`` runs
 :func:`reshard_distributed` on every process. Each process opens the source
-in place and plans the same reshard; the target's shard files are split
+in place (or, for a format that shares an opened source, process 0 opens it
+and the others rebuild it from its JSON form: :func:`open_source`) and plans
+the same reshard; the target's shard files are split
 across the processes by bytes (:func:`tenplex.store.split.split_files`:
 ranks holding the same tensors stay on one process, so their shared source
 blocks are read once); each process streams its files from the byte ranges
@@ -42,7 +44,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TransferError
+from tenplex import errors
+from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TenplexError, TransferError
 from tenplex.formats import TENPLEX, detect, get_format
 from tenplex.ptree.config import ParallelConfig
 from tenplex.store.blocks import DEFAULT_BLOCK
@@ -59,7 +62,7 @@ from tenplex.transform.guard import TransferGuard
 from tenplex.transform.plan import FILL_CODE
 from tenplex.transform.planner import make_plan
 
-__all__ = ["under_torchrun", "init_group", "stop_on_sigterm", "reshard_distributed",
+__all__ = ["under_torchrun", "init_group", "stop_on_sigterm", "reshard_distributed", "open_source",
            "DistributedReshardReport", "ProcessStats", "RESHARD_TIMEOUT"]
 
 RESHARD_TIMEOUT = 30.0
@@ -181,12 +184,13 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
                           f"several processes (it does not write in parts); expected a format that "
                           f"does, such as --format {TENPLEX}, or run in one process")
     opts = {**options, "storage_options": storage_options, "threads": threads}
+    args = {"src": src, "dst": dst, "to": to.to_json(), "format": out_fmt.name, "block": block,
+            "options": {k: v for k, v in sorted(options.items()) if isinstance(v, (str, int, float, bool))}}
     with TransferGuard(comm, timeout=timeout, what=WHAT) as guard:
         guard.phase("agree")
-        source = src_fmt.open_source(src, **opts)
+        source = open_source(guard, comm, src_fmt, src, opts, args)
         tree = source.tree
-        inputs = {"src": src, "dst": dst, "to": to.to_json(), "format": out_fmt.name, "block": block,
-                  "source": source.config.to_json(), "tree": tree_digest(tree)}
+        inputs = {**args, "source": source.config.to_json(), "tree": tree_digest(tree)}
         everyone = [json.loads(b) for b in guard.gather("agree", json.dumps({"inputs": inputs}).encode())]
         with guard.agreeing():
             check_same_inputs(WHAT, everyone)
@@ -218,6 +222,44 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
                 raise CorruptShardError(error)
     return DistributedReshardReport(src_fmt.name, out_fmt.name, source.config, to, stats,
                                     sum(len(s.ranks) for s in stats), time.perf_counter() - start)
+
+
+def open_source(guard: TransferGuard, comm: Comm, fmt, src: str, opts: dict, args: dict):
+    """The source, opened once by process 0 and shared where the format can (else by every process).
+
+    A format with ``share``/``open_shared`` (:mod:`tenplex.formats.protocol`,
+    "Sharing an opened source"): process 0 opens ``src`` and sends the
+    source's JSON form to the others with its arguments (gather ``inputs``);
+    every process checks that all were called with the same ``args``, then
+    the others rebuild the source from it, reading none of its metadata.
+    An error opening the source is raised alike on every process.
+
+    Raises:
+        PlanError: the processes were called with different arguments.
+        TenplexError: as the format's ``open_source`` (on every process) or ``open_shared``.
+    """
+    if not hasattr(fmt, "open_shared"):
+        return fmt.open_source(src, **opts)
+    source, failed, mine = None, None, {"args": args}
+    if comm.rank == 0:
+        try:
+            source = fmt.open_source(src, **opts)
+            mine["shared"] = fmt.share(source)
+        except TenplexError as exc:
+            failed, mine["error"] = exc, [type(exc).__name__, str(exc)]
+    everyone = [json.loads(b) for b in guard.gather("inputs", json.dumps(mine).encode())]
+    with guard.agreeing():
+        check_same_inputs(WHAT, everyone, "args")
+        if failed is not None:
+            raise failed
+        if "error" in everyone[0]:
+            name, message = everyone[0]["error"]
+            kind = getattr(errors, name, None)
+            kind = kind if isinstance(kind, type) and issubclass(kind, TenplexError) else TenplexError
+            raise kind(message)
+    if source is None:  # an error here is this process's own: the guard tells the others
+        source = fmt.open_shared(src, everyone[0]["shared"], **opts)
+    return source
 
 
 def _write(guard, comm, source, plan, writer, mine, threads, max_open_files, progress, start):

@@ -49,6 +49,23 @@ says so with ``parts = True`` and then also accepts:
   files (``everything``: the whole temporary place, any part's files; the
   committing process calls it after a failure). Best effort, never raises.
 
+**Sharing an opened source** (``tenplex reshard`` under torchrun). A
+format may let one process open a source and hand it to the others, so
+that the source's metadata (pickles, indexes) is read once per job, not
+once per process:
+
+- ``share(source) -> dict``: the source returned by ``open_source``, as
+  JSON (plain data: it travels through the job's key-value store; never a
+  pickle);
+- ``open_shared(path, shared, **options) -> ShardSource``: the same source
+  at ``path`` (the path the sharing process opened), rebuilt from
+  ``shared`` without reading the metadata files, reading only the tensor
+  bytes asked of it. ``shared`` is untrusted input: the format checks every
+  field, that every file it names lies inside ``path`` with the size the
+  sharing process saw, and that every byte range lies inside its file,
+  and raises ``ManifestError`` otherwise. Values the sharing process read
+  from the files (e.g. RNG states) travel in ``shared``.
+
 ``options`` are keyword arguments every call accepts and ignores where they
 do not apply: ``model_config`` (a JSON file's path with the model's fields),
 ``threads`` (reads or files at once), ``checksums`` (``verify`` also returns

@@ -9,7 +9,9 @@ store executor read by byte ranges; ``write`` writes any Megatron source
 format) a few target files at a time; ``verify`` checks the files on disk.
 Both write in parts too (``parts = True``: ``write(..., part=)``, ``commit``,
 ``abort``; see :mod:`tenplex_megatron.formats.parts`), for ``tenplex reshard``
-under torchrun.
+under torchrun, and share an opened source (``share``, ``open_shared``; see
+:mod:`tenplex_megatron.formats.shared`), so that only one process of the job reads
+the source's metadata.
 """
 
 from __future__ import annotations
@@ -74,6 +76,20 @@ class _Legacy:
         return open_legacy(path, _model_config(options), options.get("threads", 8), _iteration(options))
 
     @staticmethod
+    def share(source) -> dict:
+        """The opened source as JSON, for :meth:`open_shared` on another process (no pickle)."""
+        from tenplex_megatron.formats.legacy.shared import share_legacy
+
+        return share_legacy(source)
+
+    @staticmethod
+    def open_shared(path: str, shared, **options):
+        """The source :meth:`share` described, read without the rank files' pickles (``shared`` is checked)."""
+        from tenplex_megatron.formats.legacy.shared import open_shared_legacy
+
+        return open_shared_legacy(path, shared)
+
+    @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> WriteResult:
         from tenplex_megatron.formats.legacy.write import write_legacy
 
@@ -127,6 +143,20 @@ class _Dist:
         from tenplex_megatron.formats.dist.source import open_dist
 
         return open_dist(path, _model_config(options), _iteration(options))
+
+    @staticmethod
+    def share(source) -> dict:
+        """The opened source as JSON, for :meth:`open_shared` on another process (no pickle)."""
+        from tenplex_megatron.formats.dist.shared import share_dist
+
+        return share_dist(source)
+
+    @staticmethod
+    def open_shared(path: str, shared, **options):
+        """The source :meth:`share` described, read without ``.metadata`` or headers (``shared`` is checked)."""
+        from tenplex_megatron.formats.dist.shared import open_shared_dist
+
+        return open_shared_dist(path, shared)
 
     @staticmethod
     def write(source, path: str, to: ParallelConfig, **options) -> WriteResult:

@@ -99,13 +99,22 @@ class DistSource(MegatronSource):
         return {p: self.locate(path, Coord(0, tp_rank, p)) for p in (0, self.config.pp - 1)}
 
     # -- reading ----------------------------------------------------------------------
+    def chunk_boxes(self, key: str) -> list[Box]:
+        """The stored chunks of DCP tensor ``key``, in ``.metadata``'s order.
+
+        Raises:
+            ManifestError: no tensor item ``key``.
+        """
+        item = self.md.state_dict_metadata.get(key)
+        if item is None or not hasattr(item, "chunks"):
+            raise ManifestError(f"{self.root}/.metadata: no tensor item {key}")
+        return [Box(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in item.chunks]
+
     def _chunk_index(self, key: str) -> dict:
         index = self._chunks.get(key)
         if index is None:
-            item = self.md.state_dict_metadata[key]
             index = {}
-            for chunk in item.chunks:
-                box = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+            for box in self.chunk_boxes(key):
                 index.setdefault(box.offsets[0] if box.sizes and box.sizes[0] == 1 else None,
                                  []).append(box)
             with self._chunk_lock:
@@ -161,13 +170,21 @@ class DistSource(MegatronSource):
         return tensor
 
     # -- values and checks ------------------------------------------------------------
+    def rng_object(self, key: str) -> tuple[str, Any] | None:
+        """The DCP key and the unpickled byte object of the RNG state ``key`` (``"tp=T,pp=P"``), or None."""
+        fqn = rng_coords(self.md).get(key)
+        if fqn is None:
+            return None
+        obj = read_objects(self.root, self.md, fqn).get(fqn)
+        self.count(self.md.storage_data[MetadataIndex(fqn)].length)
+        return fqn, obj
+
     def read_value(self, path: str, key: str) -> Any:
         if path == "megatron/rng_state":
-            fqn = rng_coords(self.md).get(key)
-            if fqn is None:
+            found = self.rng_object(key)
+            if found is None:
                 return None
-            obj = read_objects(self.root, self.md, fqn).get(fqn)
-            self.count(self.md.storage_data[MetadataIndex(fqn)].length)
+            fqn, obj = found
             if not isinstance(obj, list) or len(obj) != 1:
                 raise ManifestError(f"{self.root}: {fqn} holds {type(obj).__name__}; expected [rng states]")
             return to_jsonable(obj[0], f"{self.root}: {fqn}")

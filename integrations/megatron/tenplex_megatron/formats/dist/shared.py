@@ -1,0 +1,133 @@
+"""A ``torch_dist`` directory's opened source as JSON, and a source rebuilt from it.
+
+:func:`share_dist` is run by the process that opened the directory
+(:func:`~tenplex_megatron.formats.dist.source.open_dist`: ``.metadata`` read
+through the allow-listed unpickler and checked against the files, each
+item's header located, ``common.pt`` and the byte objects checked, the tied
+copies compared); :func:`open_shared_dist` by the others, which then read no
+``.metadata``, ``common.pt`` or item header: each stored chunk arrives as
+``[DCP key, chunk offsets, [file, offset, shape, dtype]]`` (its box is its
+offsets and its shape) and is checked by :mod:`tenplex_megatron.formats.shared`
+(inside a ``.distcp`` file of the size process 0 saw, a known dtype); where a
+chunk is read, its shape and dtype are checked against the model's again
+(:meth:`DistSource._chunk_ref`). The RNG states arrive as the byte ranges of
+their objects (``{"tp=T,pp=P": [DCP key, file, offset, length]}``): a process
+reads and unpickles (allow-listed, :func:`~tenplex_megatron.torchfiles.safe_load.safe_load`)
+those it needs, as one process would.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+from tenplex.errors import CorruptShardError, ManifestError
+from tenplex.limits import short
+from tenplex.ptree.region import Box
+from tenplex.store.paths import open_regular, resolve_inside
+
+from tenplex_megatron.dcp.checks import MAX_KEY, MAX_OBJECT_BYTES, item_file
+from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
+from tenplex_megatron.formats.dist.read import FoundDist, rng_coords
+from tenplex_megatron.formats.dist.source import DistSource
+from tenplex_megatron.formats.shared import description_from, field, ref_from, ref_json, share_common
+from tenplex_megatron.torchfiles.safe_load import safe_load
+
+__all__ = ["share_dist", "open_shared_dist", "SharedDistSource"]
+
+
+def share_dist(source: DistSource) -> dict:
+    """The shared form of an opened ``torch_dist`` source (JSON; see :mod:`tenplex_megatron.formats.shared`)."""
+    root, md = source.root, source.md
+    chunks, files = [], set()
+    for key, item in md.state_dict_metadata.items():
+        if type(item) is TensorStorageMetadata:
+            for c in item.chunks:
+                ref = source._refs[MetadataIndex(key, c.offsets)]
+                files.add(ref.file)
+                chunks.append([key, list(c.offsets), ref_json(ref, root)])
+    rng = {}
+    for coord, fqn in sorted(rng_coords(md).items()):
+        info = md.storage_data[MetadataIndex(fqn)]
+        path, _ = item_file(root, info.relative_path)
+        files.add(path)
+        rng[coord] = [fqn, info.relative_path, info.offset, info.length]
+    out = share_common(source, root, files)
+    out.update(chunks=chunks, rng=rng)
+    return out
+
+
+class SharedDistSource(DistSource):
+    """A :class:`DistSource` rebuilt from a shared form: no ``.metadata``, chunks and RNG states by byte ranges."""
+
+    def __init__(self, found: FoundDist, boxes: dict[str, list[Box]], rng: dict[str, tuple]):
+        super().__init__(found)
+        self.boxes, self.rng = boxes, rng
+
+    def chunk_boxes(self, key: str) -> list[Box]:
+        boxes = self.boxes.get(key)
+        if boxes is None:
+            raise ManifestError(f"{self.root}: the source description from process 0 has no tensor item {key}")
+        return boxes
+
+    def rng_object(self, key: str) -> tuple[str, Any] | None:
+        if key not in self.rng:
+            return None
+        fqn, path, offset, length = self.rng[key]
+        f, _ = open_regular(path, path)
+        with f:
+            f.seek(offset)
+            data = f.read(length)
+        self.count(len(data))
+        if len(data) != length:
+            raise CorruptShardError(f"{path} [{fqn}]: read {len(data)} of {length} bytes")
+        return fqn, safe_load(io.BytesIO(data), f"{path} [{fqn}]")
+
+    def check_objects(self) -> None:
+        """Checked by process 0, which read them; this process reads no byte object."""
+
+
+def _rng(shared: dict, root: str, sizes: dict[str, int], what: str) -> dict[str, tuple]:
+    """``{"tp=T,pp=P": (DCP key, path, offset, length)}``, each range inside its shared file."""
+    out = {}
+    for coord, item in field(shared, "rng", dict, what).items():
+        if not isinstance(item, list) or len(item) != 4 or not isinstance(item[0], str) or \
+                item[1] not in sizes or not all(type(n) is int and n >= 0 for n in item[2:]) or \
+                item[2] + item[3] > sizes[item[1]] or item[3] > MAX_OBJECT_BYTES:
+            raise ManifestError(f"{what}: RNG state {short(coord, 40)} is {short(item, 120)}; expected "
+                                f"[key, shared file, offset, length] inside the file, at most "
+                                f"{MAX_OBJECT_BYTES} bytes")
+        out[coord] = (item[0], os.path.join(root, item[1]), item[2], item[3])
+    return out
+
+
+def open_shared_dist(path: str, shared: Any) -> SharedDistSource:
+    """The source :func:`share_dist` described, for the checkpoint at ``path`` (the same path).
+
+    Raises:
+        ManifestError, ConfigError, PathError: a malformed form, a folder outside ``path``, or
+            one that does not fit the model or the files on disk
+            (see :func:`tenplex_megatron.formats.shared.description_from`).
+    """
+    what = f"{path}: the source description from process 0"
+    root = field(field(field(shared, "meta", dict, what), "megatron", dict, what), "root", str, what)
+    if os.path.realpath(root) != os.path.realpath(path):  # the data folder: path or an iteration folder in it
+        resolve_inside(path, root, what)
+    desc, sizes = description_from(shared, "dist", root, what)
+    refs, boxes = {}, {}
+    for item in field(shared, "chunks", list, what):
+        if not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str) or \
+                not 0 < len(item[0]) <= MAX_KEY or not isinstance(item[1], list):
+            raise ManifestError(f"{what}: a chunk is {short(item, 120)}; expected [key, offsets, tensor]")
+        key, offsets, ref = item
+        ref = ref_from(ref, root, sizes, f"{what}: {key}")
+        if len(offsets) != len(ref.shape) or not all(type(o) is int and o >= 0 for o in offsets):
+            raise ManifestError(f"{what}: {key}: chunk offsets {short(offsets, 80)} for a "
+                                f"{len(ref.shape)}-d chunk; expected as many non-negative ints")
+        index = MetadataIndex(key, offsets)
+        if index in refs:
+            raise ManifestError(f"{what}: {key}: chunk at {offsets} is sent twice")
+        refs[index] = ref
+        boxes.setdefault(key, []).append(Box(tuple(offsets), ref.shape))
+    return SharedDistSource(FoundDist(desc, None, 0, refs), boxes, _rng(shared, root, sizes, what))
