@@ -315,3 +315,78 @@ def test_api_reshard_of_megatron_to_1024_store_ranks_keeps_open_files_at_the_cap
     assert list(got) == list(want)
     for path, tensor in want.items():
         assert torch.equal(got[path], tensor), path
+
+
+@pytest.mark.parametrize("src", ["mha/legacy", "mha/dist", "opt/legacy", "opt/dist"])
+def test_a_shared_source_reads_what_the_opened_one_does_without_its_metadata(sources, opt_source, src):
+    """Under torchrun process 0 opens a Megatron source and sends it to the others as JSON
+    (``share``); ``open_shared`` rebuilds it reading no byte of the checkpoint (no pickle, no
+    ``.metadata``, no item header), and every global tensor (model and Adam state: distrib_optim.pt,
+    dp_reshardable buffers), every value and the tree are the opened source's."""
+    from count_reads import counting
+    from tenplex.transform.agree import tree_digest
+    from tenplex_megatron.formats.plugin import DIST, LEGACY
+
+    model, kind = src.split("/")
+    root = str((sources("mha", 2, 2) if model == "mha" else opt_source) / kind)
+    fmt = LEGACY if kind == "legacy" else DIST
+    source = fmt.open_source(root)
+    shared = json.loads(json.dumps(fmt.share(source), allow_nan=False))  # plain JSON
+    with counting(root) as opened:
+        back = fmt.open_shared(root, shared)
+    assert opened.bytes == 0 and opened.opens == 0 and opened.uncounted == 0
+    assert tree_digest(back.tree) == tree_digest(source.tree) and back.config == source.config
+    assert back.desc.values == source.desc.values and back.meta == source.meta
+    for path, _ in source.tree.tensors():
+        a, b = _global(source, path), _global(back, path)
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    for path, _ in source.tree.values():
+        for key in source.desc.values[path] if path == "megatron/rng_state" else [""]:
+            assert back.value(path, key) == source.value(path, key), (path, key)
+
+
+def _tamper(shared: dict, fmt: str, how: str) -> None:
+    """Make one lie in a shared form (``how`` names it)."""
+    items = shared["refs"] if fmt == "legacy" else shared["chunks"]
+    ref = items[0][-1]
+    rel = ref[0]
+    if how == "offset past the end":
+        ref[1] = shared["files"][rel] - 4
+    elif how == "file outside":
+        shared["files"]["../../etc/passwd"] = 10
+        ref[0] = "../../etc/passwd"
+    elif how == "size differs":
+        shared["files"][rel] += 1
+    elif how == "negative offset":
+        ref[1] = -1
+    elif how == "unknown dtype":
+        ref[3] = "object"
+    elif how == "another root":
+        shared["meta"]["megatron"]["root"] = "/elsewhere"
+    elif how == "wrong shape":
+        ref[2] = [ref[2][0] + 1, *ref[2][1:]]
+        ref[1] = 0
+
+
+MESSAGES = {"offset past the end": "past the file", "file outside": "outside the checkpoint|not a relative path",
+            "size differs": "process 0 read", "negative offset": "expected a non-negative int",
+            "unknown dtype": "not a torch dtype", "another root": "this process reads|outside the checkpoint",
+            "wrong shape": "the model gives|outside the tensor's size|elements"}
+
+
+@pytest.mark.parametrize("how", ["offset past the end", "file outside", "size differs", "negative offset",
+                                 "unknown dtype", "another root", "wrong shape"])
+@pytest.mark.parametrize("kind", ["legacy", "dist"])
+def test_a_shared_source_that_lies_is_refused(sources, kind, how):
+    """What arrives from process 0 is checked as untrusted input before any byte is read: every file a
+    plain path inside the checkpoint with the size process 0 saw, every tensor inside its file, of a
+    known dtype, and of its leaf's local shape (legacy) or tiling its tensor with the other chunks (dist)."""
+    from tenplex.errors import ManifestError, PathError
+    from tenplex_megatron.formats.plugin import DIST, LEGACY
+
+    root = str(sources("mha", 2, 2) / kind)
+    fmt = LEGACY if kind == "legacy" else DIST
+    shared = json.loads(json.dumps(fmt.share(fmt.open_source(root))))
+    _tamper(shared, kind, how)
+    with pytest.raises((ManifestError, PathError), match=MESSAGES[how]):
+        fmt.open_shared(root, shared)

@@ -8,7 +8,8 @@ copies compared); :func:`open_shared_dist` by the others, which then read no
 ``.metadata``, ``common.pt`` or item header: each stored chunk arrives as
 ``[DCP key, chunk offsets, [file, offset, shape, dtype]]`` (its box is its
 offsets and its shape) and is checked by :mod:`tenplex_megatron.formats.shared`
-(inside a ``.distcp`` file of the size process 0 saw, a known dtype); where a
+(inside a ``.distcp`` file of the size process 0 saw, a known dtype); each
+tensor's chunks must tile its global size (inside it, disjoint, covering it); where a
 chunk is read, its shape and dtype are checked against the model's again
 (:meth:`DistSource._chunk_ref`). The RNG states arrive as the byte ranges of
 their objects (``{"tp=T,pp=P": [DCP key, file, offset, length]}``): a process
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 import io
 import os
+from math import prod
 from typing import Any
 
 from tenplex.errors import CorruptShardError, ManifestError
 from tenplex.limits import short
-from tenplex.ptree.region import Box
+from tenplex.ptree.region import Box, intersect
 from tenplex.store.paths import open_regular, resolve_inside
 
 from tenplex_megatron.dcp.checks import MAX_KEY, MAX_OBJECT_BYTES, item_file
@@ -40,13 +42,14 @@ __all__ = ["share_dist", "open_shared_dist", "SharedDistSource"]
 def share_dist(source: DistSource) -> dict:
     """The shared form of an opened ``torch_dist`` source (JSON; see :mod:`tenplex_megatron.formats.shared`)."""
     root, md = source.root, source.md
-    chunks, files = [], set()
+    chunks, files, sizes = [], set(), {}
     for key, item in md.state_dict_metadata.items():
         if type(item) is TensorStorageMetadata:
             for c in item.chunks:
                 ref = source._refs[MetadataIndex(key, c.offsets)]
                 files.add(ref.file)
                 chunks.append([key, list(c.offsets), ref_json(ref, root)])
+            sizes[key] = list(item.size)
     rng = {}
     for coord, fqn in sorted(rng_coords(md).items()):
         info = md.storage_data[MetadataIndex(fqn)]
@@ -54,7 +57,7 @@ def share_dist(source: DistSource) -> dict:
         files.add(path)
         rng[coord] = [fqn, info.relative_path, info.offset, info.length]
     out = share_common(source, root, files)
-    out.update(chunks=chunks, rng=rng)
+    out.update(chunks=chunks, sizes=sizes, rng=rng)
     return out
 
 
@@ -102,6 +105,33 @@ def _rng(shared: dict, root: str, sizes: dict[str, int], what: str) -> dict[str,
     return out
 
 
+def _check_tiling(boxes: dict[str, list[Box]], sizes: dict, what: str) -> None:
+    """Each tensor's chunks lie inside its global size, share no element, and cover it.
+
+    Raises:
+        ManifestError: naming the tensor and the chunk.
+    """
+    for key, found in boxes.items():
+        size = sizes.get(key)
+        if not isinstance(size, list) or len(size) != len(found[0].sizes) or \
+                not all(type(n) is int and n >= 0 for n in size):
+            raise ManifestError(f"{what}: {key}: global size {short(size, 80)}; expected "
+                                f"{len(found[0].sizes)} non-negative ints")
+        for box in found:
+            if any(o + n > m for o, n, m in zip(box.offsets, box.sizes, size)):
+                raise ManifestError(f"{what}: {key}: chunk {box} lies outside the tensor's size {size}")
+        if sum(prod(b.sizes) for b in found) != prod(size):
+            raise ManifestError(f"{what}: {key}: its chunks hold {sum(prod(b.sizes) for b in found)} "
+                                f"elements; the tensor has {prod(size)}")
+        ordered = sorted(found, key=lambda b: b.offsets[:1])
+        for i, box in enumerate(ordered):  # disjoint: compare the chunks whose first-axis ranges meet
+            for other in ordered[i + 1:]:
+                if box.offsets and other.offsets[0] >= box.offsets[0] + box.sizes[0]:
+                    break
+                if prod(box.sizes) and prod(other.sizes) and intersect(box, other) is not None:
+                    raise ManifestError(f"{what}: {key}: chunks {box} and {other} overlap")
+
+
 def open_shared_dist(path: str, shared: Any) -> SharedDistSource:
     """The source :func:`share_dist` described, for the checkpoint at ``path`` (the same path).
 
@@ -130,4 +160,5 @@ def open_shared_dist(path: str, shared: Any) -> SharedDistSource:
             raise ManifestError(f"{what}: {key}: chunk at {offsets} is sent twice")
         refs[index] = ref
         boxes.setdefault(key, []).append(Box(tuple(offsets), ref.shape))
+    _check_tiling(boxes, field(shared, "sizes", dict, what), what)
     return SharedDistSource(FoundDist(desc, None, 0, refs), boxes, _rng(shared, root, sizes, what))
