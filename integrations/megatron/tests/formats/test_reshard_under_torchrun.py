@@ -13,6 +13,7 @@ output byte for byte, and a SIGKILLed worker leaves nothing visible.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -142,3 +143,24 @@ def test_a_killed_worker_commits_no_megatron_checkpoint_and_a_rerun_succeeds(sou
     reshard(str(src), str(single), ParallelConfig.parse(DST), format="megatron-legacy", threads=2)
     one, many = _files(single), _files(dst)
     assert one.keys() == many.keys() and all(one[k] == many[k] for k in one)  # byte for byte
+
+
+def test_a_bad_source_fails_every_process_with_process_0s_error(sources, tmp_path):
+    """Process 0 alone opens a Megatron source under torchrun; when the source is bad, every process
+    exits with process 0's error (its type and message, as one process would report it) and nothing
+    is written."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    shutil.copytree(sources("mha", 2, 2) / "legacy", src)
+    rank_file = next(src.rglob("mp_rank_01_001/model_optim_rng.pt"))
+    rank_file.write_bytes(rank_file.read_bytes()[:1000])  # a cut archive
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "--monitor-interval=0.5", "-m", "tenplex", "reshard", str(src), str(dst), "--to", DST,
+           "--format", "tenplex"]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    lines = [line for line in out.splitlines() if line.startswith("tenplex reshard:")]
+    assert len(lines) == 4 and len(set(lines)) == 1, out[-3000:]  # the same line from every process
+    assert "mp_rank_01_001" in lines[0] and "not a torch zip archive" in lines[0], lines[0]
+    assert not dst.exists() or list(dst.iterdir()) == []
