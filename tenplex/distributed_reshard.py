@@ -44,8 +44,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from tenplex import errors
-from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TenplexError, TransferError
+from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TransferError
 from tenplex.formats import TENPLEX, detect, get_format
 from tenplex.ptree.config import ParallelConfig
 from tenplex.store.blocks import DEFAULT_BLOCK
@@ -232,31 +231,23 @@ def open_source(guard: TransferGuard, comm: Comm, fmt, src: str, opts: dict, arg
     source's JSON form to the others with its arguments (gather ``inputs``);
     every process checks that all were called with the same ``args``, then
     the others rebuild the source from it, reading none of its metadata.
-    An error opening the source is raised alike on every process.
+    An error opening the source on process 0 stops every process (the
+    guard's failure, naming process 0 and its error).
 
     Raises:
         PlanError: the processes were called with different arguments.
-        TenplexError: as the format's ``open_source`` (on every process) or ``open_shared``.
+        TenplexError: as the format's ``open_source`` (on process 0) or ``open_shared``.
+        TransferError: on the other processes, when process 0 failed to open the source.
     """
     if not hasattr(fmt, "open_shared"):
         return fmt.open_source(src, **opts)
-    source, failed, mine = None, None, {"args": args}
-    if comm.rank == 0:
-        try:
-            source = fmt.open_source(src, **opts)
-            mine["shared"] = fmt.share(source)
-        except TenplexError as exc:
-            failed, mine["error"] = exc, [type(exc).__name__, str(exc)]
+    source, mine = None, {"args": args}
+    if comm.rank == 0:  # an error opening it reaches the others through the guard, naming process 0
+        source = fmt.open_source(src, **opts)
+        mine["shared"] = fmt.share(source)
     everyone = [json.loads(b) for b in guard.gather("inputs", json.dumps(mine).encode())]
     with guard.agreeing():
         check_same_inputs(WHAT, everyone, "args")
-        if failed is not None:
-            raise failed
-        if "error" in everyone[0]:
-            name, message = everyone[0]["error"]
-            kind = getattr(errors, name, None)
-            kind = kind if isinstance(kind, type) and issubclass(kind, TenplexError) else TenplexError
-            raise kind(message)
     if source is None:  # an error here is this process's own: the guard tells the others
         source = fmt.open_shared(src, everyone[0]["shared"], **opts)
     return source

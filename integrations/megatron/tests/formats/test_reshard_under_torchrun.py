@@ -147,8 +147,7 @@ def test_a_killed_worker_commits_no_megatron_checkpoint_and_a_rerun_succeeds(sou
 
 def test_a_bad_source_fails_every_process_with_process_0s_error(sources, tmp_path):
     """Process 0 alone opens a Megatron source under torchrun; when the source is bad, every process
-    exits with process 0's error (its type and message, as one process would report it) and nothing
-    is written."""
+    exits with the same line, naming process 0 and its error, and nothing is written."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     shutil.copytree(sources("mha", 2, 2) / "legacy", src)
     rank_file = next(src.rglob("mp_rank_01_001/model_optim_rng.pt"))
@@ -162,5 +161,6 @@ def test_a_bad_source_fails_every_process_with_process_0s_error(sources, tmp_pat
     assert done.returncode != 0
     lines = [line for line in out.splitlines() if line.startswith("tenplex reshard:")]
     assert len(lines) == 4 and len(set(lines)) == 1, out[-3000:]  # the same line from every process
+    assert "process 0 failed in phase 'agree': CorruptShardError" in lines[0], lines[0]
     assert "mp_rank_01_001" in lines[0] and "not a torch zip archive" in lines[0], lines[0]
     assert not dst.exists() or list(dst.iterdir()) == []
