@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tenplex.errors import ManifestError
+from tenplex.errors import ManifestError, TenplexError
 from tenplex.limits import short
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
@@ -40,12 +40,13 @@ from tenplex.store.paths import regular_size, resolve_inside
 from tenplex_megatron.formats.description import Description
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import megatron_tree
+from tenplex_megatron.model.limits import SCALARS, check_scalars
 from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.torchfiles.ptfile import TensorRef
 from tenplex_megatron.torchfiles.safe_load import TORCH_DTYPES
 
-__all__ = ["VERSION", "share_common", "description_from", "ref_json", "ref_from", "field", "check_leaf", "encode_refs",
-           "decode_refs"]
+__all__ = ["VERSION", "share_common", "description_from", "ref_json", "ref_from", "field", "check_leaf",
+           "encode_refs", "decode_refs"]
 
 VERSION = 1
 """The shared form's version; a process refuses another."""
@@ -163,7 +164,7 @@ def ref_from(item: Any, base: str, sizes: dict[str, int], what: str) -> TensorRe
     if not isinstance(item, list) or len(item) != 4:
         raise ManifestError(f"{what}: a tensor is {short(item, 80)}; expected [file, offset, shape, dtype]")
     rel, offset, shape, dtype = item
-    if rel not in sizes:
+    if not isinstance(rel, str) or rel not in sizes:
         raise ManifestError(f"{what}: a tensor lies in {short(rel, 120)}, which is not a shared file")
     if type(offset) is not int or offset < 0:
         raise ManifestError(f"{what}: {rel}: offset {short(offset, 30)}; expected a non-negative int")
@@ -218,14 +219,24 @@ def description_from(shared: Any, fmt: str, root: str, what: str) -> tuple[Descr
         raise ManifestError(f"{what}: a {short(shared['format'], 30)} source; expected {fmt}")
     if megatron.get("root") != root:
         raise ManifestError(f"{what}: describes {short(megatron.get('root'), 200)}; this process reads {root}")
-    cfg = MegatronConfig.from_json(field(shared, "cfg", dict, what))
-    config = ParallelConfig.from_json(field(shared, "config", dict, what))
+    try:  # built as the reader built them, from the configs alone
+        cfg = MegatronConfig.from_json(field(shared, "cfg", dict, what))
+        config = ParallelConfig.from_json(field(shared, "config", dict, what))
+        tree = megatron_tree(cfg, optimizer=megatron.get("optimizer") is not None)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        if isinstance(exc, TenplexError):
+            raise
+        raise ManifestError(f"{what}: its model or parallel config is malformed "
+                            f"({type(exc).__name__}: {short(str(exc), 200)})") from None
     if megatron.get("config") != cfg.to_json():
         raise ManifestError(f"{what}: meta's model config differs from the model config sent")
-    tree = megatron_tree(cfg, optimizer=megatron.get("optimizer") is not None)
     notes = field(shared, "notes", list, what)
     if not all(isinstance(n, str) for n in notes):
         raise ManifestError(f"{what}: notes must be strings")
-    desc = Description(cfg, config, tree, dict(field(shared, "values", dict, what)), meta, list(notes),
-                       Sharding(tree, config))
+    values = dict(field(shared, "values", dict, what))
+    check_scalars(values, SCALARS, what)  # as the reader checked them
+    rng = values.get("megatron/rng_state")
+    if not isinstance(rng, list) or not all(isinstance(k, str) for k in rng):
+        raise ManifestError(f"{what}: megatron/rng_state is {short(rng, 80)}; expected a list of coordinates")
+    desc = Description(cfg, config, tree, values, meta, list(notes), Sharding(tree, config))
     return desc, _file_sizes(shared, root, what)
