@@ -16,7 +16,9 @@ its files with :func:`tenplex.store.paths.open_regular` (``os.open`` then
 ``os.fdopen``) or ``open``: both are wrapped. ``uncounted`` counts the files
 under ``root`` opened (Python's ``open`` audit event) without going through a
 wrapper, so a reader that bypassed the counter shows up instead of reading
-for free.
+for free. Not seen: a file C code opens by itself (torch's zip reader given a
+path, ``mmap``); the Megatron readers hand torch file objects (the single
+process's count equals the readers' own ``bytes_read`` where that is exact).
 """
 
 from __future__ import annotations
