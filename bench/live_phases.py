@@ -74,6 +74,7 @@ def instrument() -> dict:
 
     wrap(parts, "make_plan", "plan")  # reconfigure plans through plan_own_part
     wrap(parts, "inputs_digest", "digest")
+    wrap(el, "tree_digest", "digest")
     for name in ("local_problems", "check_same_inputs", "check_local_state", "check_same_plan"):
         wrap(el, name, "checks")
     wrap(el, "execute_distributed", "executor")

@@ -20,12 +20,14 @@ the caller forms its new group in that order; ``renumber=False`` or a
 given ``dst_of`` keeps the numbering.
 
 Before any byte moves, every process checks that all were called with the
-same arguments, that the process mapping is consistent, that every local
-state matches the tree, and that all plan from the same inputs (a digest of
-the tree, configs, placements and live ranks). Each process plans only the
-ops that touch it or the peers it exchanges with
+same arguments, tree and planner version (one gather), that the process
+mapping is consistent, that every local state matches the tree, and that all
+plan from the same inputs (in groups of more than
+:data:`~tenplex.transform.parts.WHOLE_PLAN_UP_TO` processes, a second gather
+of a digest of the tree, configs, placements and live ranks). Each process of
+such a group plans only the ops that touch it or the peers it exchanges with
 (:mod:`tenplex.transform.parts`), at a cost that grows with what they hold,
-not with the world. Any mismatch raises the same error on every process
+not with the world; a smaller group plans the whole world. Any mismatch raises the same error on every process
 (:mod:`tenplex.transform.agree`). During the transfer, a failure anywhere
 raises :class:`~tenplex.errors.TransferError` everywhere within ``timeout``
 (:mod:`tenplex.transform.guard`).
@@ -58,7 +60,7 @@ from tenplex.transform.comm import Comm, LocalComm, TorchComm
 from tenplex.transform.distributed import DEFAULT_BUDGET, execute_distributed
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 from tenplex.transform.assign import best_numbering
-from tenplex.transform.parts import plan_own_part
+from tenplex.transform.parts import plan_own_part, planner_version
 from tenplex.transform.placement import Device, Placement
 
 __all__ = ["reconfigure", "recover", "ReconfigureReport", "default_mapping"]
@@ -240,7 +242,8 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
         src_sharding = Sharding(tree, src)
         problems = local_problems(tree, src_sharding, my_src, local_state, device) \
             if my_src is None or 0 <= my_src < src.world_size else []
-        inputs = {"src": src.to_json(), "dst": dst.to_json(), "tree": tree_digest(tree),
+        tree_hex = tree_digest(tree)
+        inputs = {"src": src.to_json(), "dst": dst.to_json(), "tree": tree_hex, "planner": planner_version(),
                   "src_of": None if src_of is None else list(src_of), "dst_of": dst_of,
                   "alive": None if alive is None else sorted(int(r) for r in alive),
                   "lost": sorted(int(r) for r in lost),
@@ -266,7 +269,8 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
         plan, own_totals = plan_own_part(guard, what, tree, src, dst, src_placement=src_pl,
                                          dst_placement=dst_pl, alive=live,
                                          store_fallback=reader is not None, src_of=src_of,
-                                         dst_of=dst_of, shardings=(src_sharding, Sharding(tree, dst)))
+                                         dst_of=dst_of, shardings=(src_sharding, Sharding(tree, dst)),
+                                         agreed=tree_hex)
         tensors = None if local_state is None else {p: v for p, v in local_state.items()
                                                     if isinstance(tree.leaves.get(p), TensorLeaf)}
         read = None if reader is None else (lambda path, box: read_region(reader, path, box))
