@@ -273,14 +273,21 @@ class _Context:
         return is_contiguous(local, piece.view)
 
     def _view(self, shards, sharding, rank, path, index, region) -> torch.Tensor:
-        piece = self._piece(sharding, rank, path, index)
         key = (id(shards), path, index)
-        whole = self._views.get(key)
-        if whole is None:
-            whole = self._views[key] = piece_view(shards[path], piece)
-        if region == piece.box:
+        seen = self._views.get(key)
+        if seen is None:
+            piece = self._piece(sharding, rank, path, index)
+            tensor = shards[path]
+            if (piece.offset == 0 and piece.view == tuple(tensor.shape) and piece.local.sizes == piece.view
+                    and not any(piece.local.offsets)):
+                whole = tensor  # the piece is the whole local tensor (most are)
+            else:
+                whole = piece_view(tensor, piece)
+            seen = self._views[key] = (whole, piece.box)
+        whole, box = seen
+        if region == box:
             return whole
-        return whole[to_slices(relative(region, piece.box))]
+        return whole[to_slices(relative(region, box))]
 
     def src_view(self, row: int) -> torch.Tensor:
         op = self.op(row)
