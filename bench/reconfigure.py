@@ -93,7 +93,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import tempfile
 import time
 
@@ -129,26 +128,6 @@ PHASES = [  # (label, file suffix, function name) of the live path, for the per-
     ("  Stream.unpack", "transform/streams.py", "unpack"),
     ("tensor copy_ (all callers)", "~", "<method 'copy_' of 'torch._C.TensorBase' objects>"),
 ]
-
-def _pair_matrix(tree, src, dst):
-    """Bytes per ordered pair of processes in the plan ``reconfigure`` makes (default mapping)."""
-    import numpy as np
-
-    from tenplex.transform.placement import Device, Placement
-    from tenplex.transform.plan import KIND_CODE, LINK_CODE, Link, OpKind
-    from tenplex.transform.planner import make_plan
-
-    host = socket.gethostname()
-    plan = make_plan(tree, src, dst,
-                     src_placement=Placement(tuple(Device(host, p) for p in range(src.world_size))),
-                     dst_placement=Placement(tuple(Device(host, p) for p in range(dst.world_size))))
-    c = plan.table.cols
-    cross = ((c["src"] >= 0) & (c["src"] != c["dst"]) & (c["kind"] != KIND_CODE[OpKind.FILL])
-             & (c["link"] != LINK_CODE[Link.STORE]))
-    m = np.zeros((WORLD, WORLD), dtype=np.int64)
-    np.add.at(m, (c["src"][cross], c["dst"][cross]), c["nbytes"][cross])
-    return m.tolist()
-
 
 def _dtensors(tree, mesh, locals_):
     """``{path: DTensor}`` over ``mesh`` (the rank's ``(dp, tp)`` stage submesh) for ``locals_``."""
@@ -217,21 +196,6 @@ def _check(got, expected) -> int:
     return n
 
 
-VARIANTS = ("fresh", "out")
-"""The live runs: new tensors allocated by the call, and ``out=`` (received in place)."""
-
-
-def _touched(expected):
-    """New, touched tensors of ``expected``'s shapes and dtypes (as model construction leaves
-    them), for ``out=``; ``None`` for a process that holds no new rank."""
-    import torch
-
-    if expected is None:
-        return None
-    return {p: torch.empty(t.shape, dtype=t.dtype).fill_(1) for p, t in expected.items()
-            if isinstance(t, torch.Tensor)}
-
-
 def _say(rank: int, text: str) -> None:
     if rank == 0:
         print(text, flush=True)
@@ -277,11 +241,11 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         _say(rank, f"state made in {time.perf_counter() - t0:.1f} s")
 
         # 1. live reconfiguration
-        best = {v: (math.inf, None, 0.0, None) for v in VARIANTS}  # (s, report, cpu, phases)
-        leaves, near, near_fresh = {v: 0 for v in VARIANTS}, [], []
-        for variant in VARIANTS:  # all runs of one, then all of the other
+        best = {v: (math.inf, None, 0.0, None) for v in live_phases.VARIANTS}  # (s, report, cpu, phases)
+        leaves, near, near_fresh = {v: 0 for v in live_phases.VARIANTS}, [], []
+        for variant in live_phases.VARIANTS:  # all runs of one, then all of the other
             for i in range(repeat):
-                given = {} if variant == "fresh" else {"out": _touched(expected)}
+                given = {} if variant == "fresh" else {"out": live_phases.touched(expected)}
                 phase_times.clear()
                 (out, r), s, cpu = timed(lambda: tenplex.reconfigure(
                     local, tree, src, dst, memory_budget=budget, renumber=False, **given))
@@ -289,7 +253,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
                 if i == 0 and expected is not None:
                     leaves[variant] = _check(out, expected)
                     assert variant == "fresh" or all(out[p] is t for p, t in (given["out"] or {}).items())
-                del out, given
+                del out
                 gc.collect()
                 if s < best[variant][0]:
                     best[variant] = (s, r, cpu, run_phases)
@@ -305,7 +269,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
         bound = rep.lower_bound
         ring_s, ring_cpu = min([ring(max(1, bound // WORLD), repeat + 1)] + near)
         fresh_s = min([live_phases.ring_fresh(max(1, bound // WORLD), repeat + 1)] + near_fresh)
-        matrix = _pair_matrix(tree, src, dst)
+        matrix = live_phases.pair_matrix(tree, src, dst, WORLD)
         pattern_s = pattern(matrix, repeat + 1)
         pattern_fresh_s = live_phases.pattern_fresh(matrix, repeat + 1)
         ring_bytes = max(1, bound // WORLD) * WORLD
@@ -337,8 +301,8 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
             _say(rank, f"profiled run (every rank under cProfile): {slowest(t1):.3f} s")
             del out
 
-        per_rank = {v: [None] * WORLD for v in VARIANTS}
-        for v in VARIANTS:
+        per_rank = {v: [None] * WORLD for v in live_phases.VARIANTS}
+        for v in live_phases.VARIANTS:
             dist.all_gather_object(per_rank[v], best[v][3])
         counts = torch.tensor([min(leaves.values()), dcp_leaves], dtype=torch.int64)
         dist.all_reduce(counts)
@@ -357,7 +321,7 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
                            "dcp_leaves_checked": checked[1], "phases": per_rank[fastest],
                            "variant": fastest, "variants": {
                                v: {"live_s": best[v][0], "live_cpu_s": best[v][2], "phases": per_rank[v]}
-                               for v in VARIANTS}}, f)
+                               for v in live_phases.VARIANTS}}, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -444,7 +408,7 @@ def main() -> None:
         print(f"{name:<24} {value:>7.3f}  goal {goal:<8} {'met' if met else 'NOT met'}")
 
     phases = r["phases"]
-    for v in VARIANTS:
+    for v in live_phases.VARIANTS:
         print(f"\nwhere the best live run's time went ({v}{', the goal' if v == r['variant'] else ''}), "
               f"per process (seconds; gathers include waiting for the other processes):\n"
               f"{live_phases.table(var[v]['phases'])}")
