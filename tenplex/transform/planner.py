@@ -31,8 +31,10 @@ or become STORE reads with ``store_fallback=True``.
 
 Cost: geometry and every load-free choice are computed once per kind of
 leaf (a :class:`~tenplex.transform.template.Template` per
-:func:`~tenplex.transform.geometry.signature`) and the rest is vectorized
-over target ranks, so planning GPT-3 175B from 1024 to 2048 ranks takes
+:func:`~tenplex.transform.geometry.signature`), leaves of one template,
+item size and deal turns share their op columns (the deal depends on the
+turn only modulo each group's number of candidates), and the rest is
+vectorized over target ranks, so planning GPT-3 175B from 1024 to 2048 ranks takes
 seconds (``bench/plan_scale.py``).
 """
 
@@ -341,23 +343,17 @@ class _Builder:
         stamp = (key, itemsize, tuple(turn % len(c) for c, _ in choice.host_groups + choice.net_groups))
         cols = self.stamps.get(stamp)
         if cols is None:
-            cols = self.stamps[stamp] = self._columns(template, itemsize, turn)
-        self.columns.append((index, cols))
-
-    def _columns(self, template, itemsize: int, turn: int) -> dict:
-        """The OpTable columns (but ``path``) of a leaf of ``template`` with ``itemsize``-byte
-        elements and turn ``turn``."""
-        rows, segments, choice = template.rows, template.segments, template.choice
-        src = self._choose(choice, rows.pos, segments.phase[rows.seg], turn)
-        keep = slice(None)
-        if self.part is not None:
-            keep = np.nonzero(self.part[0][rows.dst] | self.part[1][src])[0]
-        seg = rows.seg[keep]
-        alt = choice.alt[keep]
-        return {"dst": rows.dst[keep], "src": src[keep], "offsets": segments.offsets[seg],
+            src = self._choose(choice, rows.pos, segments.phase[rows.seg], turn)
+            keep = slice(None)
+            if self.part is not None:
+                keep = np.nonzero(self.part[0][rows.dst] | self.part[1][src])[0]
+            seg, alt = rows.seg[keep], choice.alt[keep]
+            cols = self.stamps[stamp] = {
+                "dst": rows.dst[keep], "src": src[keep], "offsets": segments.offsets[seg],
                 "sizes": segments.sizes[seg], "src_piece": segments.pieces[alt, seg],
                 "dst_piece": segments.dst_piece[seg], "nbytes": segments.volume[seg] * itemsize,
                 "kind": segments.kinds[alt, seg], "link": choice.link[keep]}
+        self.columns.append((index, cols))
 
     def _turn(self, leaf: TensorLeaf) -> int:
         """The leaf's turn in :func:`deal`, a round robin over the replicas that goes on from
