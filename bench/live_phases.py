@@ -21,6 +21,7 @@ dp 64 -> 128 (8192 -> 16384 GPUs).
 from __future__ import annotations
 
 import functools
+import socket
 import time
 
 AGREE = ("gather inputs", "checks", "digest", "gather agree")
@@ -74,6 +75,7 @@ def instrument() -> dict:
 
     wrap(parts, "make_plan", "plan")  # reconfigure plans through plan_own_part
     wrap(parts, "inputs_digest", "digest")
+    wrap(el, "tree_digest", "digest")
     for name in ("local_problems", "check_same_inputs", "check_local_state", "check_same_plan"):
         wrap(el, name, "checks")
     wrap(el, "execute_distributed", "executor")
@@ -235,3 +237,38 @@ def pattern_fresh(matrix, repeat: int) -> float:
                  if row[me] and p != me]
         best = min(best, timed(lambda: p2p_exchange(sends, recvs))[1])
     return best
+
+
+VARIANTS = ("fresh", "out")
+"""The live runs: new tensors allocated by the call, and ``out=`` (received in place)."""
+
+
+def touched(expected):
+    """New, touched tensors of ``expected``'s shapes and dtypes (as model construction leaves
+    them), for ``out=``; ``None`` for a process that holds no new rank."""
+    import torch
+
+    if expected is None:
+        return None
+    return {p: torch.empty(t.shape, dtype=t.dtype).fill_(1) for p, t in expected.items()
+            if isinstance(t, torch.Tensor)}
+
+
+def pair_matrix(tree, src, dst, world: int):
+    """Bytes per ordered pair of processes in the plan ``reconfigure`` makes (default mapping)."""
+    import numpy as np
+
+    from tenplex.transform.placement import Device, Placement
+    from tenplex.transform.plan import KIND_CODE, LINK_CODE, Link, OpKind
+    from tenplex.transform.planner import make_plan
+
+    host = socket.gethostname()
+    plan = make_plan(tree, src, dst,
+                     src_placement=Placement(tuple(Device(host, p) for p in range(src.world_size))),
+                     dst_placement=Placement(tuple(Device(host, p) for p in range(dst.world_size))))
+    c = plan.table.cols
+    cross = ((c["src"] >= 0) & (c["src"] != c["dst"]) & (c["kind"] != KIND_CODE[OpKind.FILL])
+             & (c["link"] != LINK_CODE[Link.STORE]))
+    m = np.zeros((world, world), dtype=np.int64)
+    np.add.at(m, (c["src"][cross], c["dst"][cross]), c["nbytes"][cross])
+    return m.tolist()

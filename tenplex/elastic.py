@@ -20,12 +20,14 @@ the caller forms its new group in that order; ``renumber=False`` or a
 given ``dst_of`` keeps the numbering.
 
 Before any byte moves, every process checks that all were called with the
-same arguments, that the process mapping is consistent, that every local
-state matches the tree, and that all plan from the same inputs (a digest of
-the tree, configs, placements and live ranks). Each process plans only the
-ops that touch it or the peers it exchanges with
+same arguments, tree and planner version (one gather), that the process
+mapping is consistent, that every local state matches the tree, and that all
+plan from the same inputs (in groups of more than
+:data:`~tenplex.transform.parts.WHOLE_PLAN_UP_TO` processes, a second gather
+of a digest of the tree, configs, placements and live ranks). Each process of
+such a group plans only the ops that touch it or the peers it exchanges with
 (:mod:`tenplex.transform.parts`), at a cost that grows with what they hold,
-not with the world. Any mismatch raises the same error on every process
+not with the world; a smaller group plans the whole world. Any mismatch raises the same error on every process
 (:mod:`tenplex.transform.agree`). During the transfer, a failure anywhere
 raises :class:`~tenplex.errors.TransferError` everywhere within ``timeout``
 (:mod:`tenplex.transform.guard`).
@@ -53,12 +55,12 @@ from tenplex.ptree.tree import PTree, TensorLeaf, ValueLeaf
 from tenplex.store.reader import StoreReader
 from tenplex.store.fetch import read_region
 from tenplex.transform.agree import (check_local_state, check_same_inputs,
-                                     local_problems, tree_digest)
+                                     local_problems, out_problems, tree_digest)
 from tenplex.transform.comm import Comm, LocalComm, TorchComm
 from tenplex.transform.distributed import DEFAULT_BUDGET, execute_distributed
 from tenplex.transform.guard import DEFAULT_TIMEOUT, TransferGuard
 from tenplex.transform.assign import best_numbering
-from tenplex.transform.parts import plan_own_part
+from tenplex.transform.parts import plan_own_part, planner_version
 from tenplex.transform.placement import Device, Placement
 
 __all__ = ["reconfigure", "recover", "ReconfigureReport", "default_mapping"]
@@ -123,7 +125,8 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
                 dst: ParallelConfig, *, group=None, comm: Comm | None = None,
                 src_of: Sequence[int | None] | None = None, dst_of: Sequence[int | None] | None = None,
                 alive=None, store=None, memory_budget: int = DEFAULT_BUDGET,
-                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT, renumber: bool = True):
+                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT, renumber: bool = True,
+                out: dict[str, Any] | None = None):
     """This process's state under ``dst``, moved from the other processes without a checkpoint.
 
     Args:
@@ -152,6 +155,17 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
             (:meth:`tenplex_megatron.live.Membership.form` takes it). ``False`` keeps the
             default numbering (process ``p`` holds new rank ``p``, torchrun's); a given
             ``dst_of`` is always kept.
+        out: the tensors to receive this process's new state into, in place, as
+            ``torch.distributed.checkpoint.load`` loads into the state dict it is given
+            (e.g. the new model's parameters and optimizer states, already allocated):
+            ``{path: tensor}`` for every tensor leaf its new rank holds, of the leaf's dtype
+            and new local shape, contiguous, on ``device``, sharing no memory with
+            ``local_state``. Every byte of the new state is written into them (no new tensor
+            is allocated, none is a view of the old state), and the returned state holds
+            these very tensors. It needs the numbering known before the call:
+            ``renumber=False`` or ``dst_of=``. ``None`` (default): new tensors are
+            allocated, and a new tensor that one contiguous region of an old shard fills
+            whole is a view of it (no copy).
 
     Returns:
         ``(state, report)``: the new ``{path: local tensor or value}``
@@ -162,9 +176,10 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
         PlanError: the processes were called with different arguments, a
             process mapping that does not fit, or computed different plans;
             on every process alike, before anything moves.
-        ShardError: a local state does not match the tree (missing leaf,
-            dtype, shape, device); on every process alike, naming the
-            process, leaf, expected and found.
+        ShardError: a local state, or an ``out``, does not match the tree
+            (missing leaf, dtype, shape, device, memory shared with the old
+            state); on every process alike, naming the process, leaf,
+            expected and found.
         ConfigError: ``dst`` cannot hold the tree.
         MissingDataError: a region no live rank (and no store) holds; raised
             on every process alike, before anything moves.
@@ -175,7 +190,7 @@ def reconfigure(local_state: dict[str, Any] | None, tree: PTree, src: ParallelCo
     return _transition(local_state, tree, src, dst, what="reconfigure", group=group, comm=comm,
                        src_of=src_of, dst_of=dst_of, old_rank=UNDECLARED, alive=alive, lost=(),
                        store=store, memory_budget=memory_budget, device=device, timeout=timeout,
-                       renumber=renumber)
+                       renumber=renumber, out=out)
 
 
 def recover(local_state: dict[str, Any] | None, tree: PTree, src: ParallelConfig,
@@ -226,7 +241,8 @@ def recover(local_state: dict[str, Any] | None, tree: PTree, src: ParallelConfig
 
 
 def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_of, old_rank,
-                alive, lost, store, memory_budget, device, timeout, step_path=None, renumber=False):
+                alive, lost, store, memory_budget, device, timeout, step_path=None, renumber=False,
+                out=None):
     start = time.perf_counter()
     comm = _comm(group, comm, device)
     me = comm.rank
@@ -240,7 +256,10 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
         src_sharding = Sharding(tree, src)
         problems = local_problems(tree, src_sharding, my_src, local_state, device) \
             if my_src is None or 0 <= my_src < src.world_size else []
-        inputs = {"src": src.to_json(), "dst": dst.to_json(), "tree": tree_digest(tree),
+        if out is not None and not renumber:  # with renumbering, refused below on every process
+            problems += _out_problems(tree, dst, dst_of, me, out, device, local_state)
+        tree_hex = tree_digest(tree)
+        inputs = {"src": src.to_json(), "dst": dst.to_json(), "tree": tree_hex, "planner": planner_version(),
                   "src_of": None if src_of is None else list(src_of), "dst_of": dst_of,
                   "alive": None if alive is None else sorted(int(r) for r in alive),
                   "lost": sorted(int(r) for r in lost),
@@ -248,10 +267,15 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
         values = {} if problems or local_state is None else \
             {path: local_state.get(path) for path, _ in tree.values()}
         blob = {"host": socket.gethostname(), "old_rank": old_rank, "has_state": local_state is not None,
-                "problems": problems, "values": values, "inputs": inputs}
+                "problems": problems, "values": values, "inputs": inputs, "out": out is not None}
         everyone = [json.loads(b) for b in guard.gather("inputs", json.dumps(blob).encode())]
         with guard.agreeing():  # every process holds `everyone`: the same error everywhere
             check_same_inputs(what, everyone)
+            given = [p for p, e in enumerate(everyone) if e["out"]]
+            if renumber and given:
+                raise PlanError(f"{what}: processes {given} passed out=, but the new ranks are being "
+                                "renumbered, so no process knows its new rank before the call; pass "
+                                "renumber=False or dst_of=")
             src_of = _resolve_src_of(what, everyone, src_of, src, dst_of, lost)
             labels = [f"process {p} (old rank {src_of[p]}, new rank {dst_of[p]})"
                       for p in range(comm.size)]
@@ -266,13 +290,14 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
         plan, own_totals = plan_own_part(guard, what, tree, src, dst, src_placement=src_pl,
                                          dst_placement=dst_pl, alive=live,
                                          store_fallback=reader is not None, src_of=src_of,
-                                         dst_of=dst_of, shardings=(src_sharding, Sharding(tree, dst)))
+                                         dst_of=dst_of, shardings=(src_sharding, Sharding(tree, dst)),
+                                         agreed=tree_hex)
         tensors = None if local_state is None else {p: v for p, v in local_state.items()
                                                     if isinstance(tree.leaves.get(p), TensorLeaf)}
         read = None if reader is None else (lambda path, box: read_region(reader, path, box))
         out, stats = execute_distributed(plan, tree, tensors, comm, src_of, dst_of,
                                          memory_budget=memory_budget, store_read=read,
-                                         device=device, guard=guard)
+                                         device=device, guard=guard, out=out)
         by_src = {src_of[p]: g["values"] for p, g in enumerate(everyone) if src_of[p] is not None}
         values = _values(tree, plan, by_src, dst_of[me], reader)
         guard.phase("confirm")
@@ -295,6 +320,19 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
     if step_path is not None and reader is not None:
         report.steps_kept = _steps_kept(by_src, live, step_path, reader)
     return out, report
+
+
+def _out_problems(tree, dst: ParallelConfig, dst_of, me: int, out, device, old) -> list[str]:
+    """:func:`~tenplex.transform.agree.out_problems` of this process's ``out`` (a bad ``dst_of``
+    or ``dst`` is left to the checks that follow the gather)."""
+    rank = dst_of[me] if me < len(dst_of) else None
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < dst.world_size):
+        return []
+    try:
+        sharding = Sharding(tree, dst)
+    except Exception:  # dst cannot hold the tree: raised on every process when planning
+        return []
+    return out_problems(tree, sharding, rank, out, device, old)
 
 
 def _local_old_rank(me: int, src: ParallelConfig, src_of, old_rank, what: str):

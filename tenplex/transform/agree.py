@@ -18,7 +18,7 @@ from tenplex.errors import PlanError, ShardError
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree, TensorLeaf, torch_dtype
 
-__all__ = ["tree_digest", "local_problems", "check_same_inputs", "check_local_state",
+__all__ = ["tree_digest", "local_problems", "out_problems", "check_same_inputs", "check_local_state",
            "check_same_plan"]
 
 MAX_LISTED = 8
@@ -73,6 +73,45 @@ def local_problems(tree: PTree, sharding: Sharding, rank: int | None, local: Map
 _MISSING = object()
 
 
+def out_problems(tree: PTree, sharding: Sharding, rank: int | None, out: Mapping[str, Any],
+                 device: str | torch.device | None, old: Mapping[str, Any] | None = None) -> list[str]:
+    """What is wrong with ``out`` as the tensors to receive ``rank``'s new state into.
+
+    ``out`` must hold, for every tensor leaf ``rank`` holds under ``sharding.config``, a
+    contiguous ``torch.Tensor`` of the leaf's dtype and local shape on ``device`` (as
+    :func:`local_problems` checks a local state), and nothing else; none of its tensors may
+    share memory with a tensor of ``old`` (the state the transfer reads).
+
+    Returns:
+        One line per problem, each starting with ``out=``, naming the leaf, what was expected
+        and what was found (empty when ``out`` fits).
+    """
+    if rank is None:
+        return ["out= was given, but this process holds no new rank"]
+    want = torch.device(device) if device is not None else None
+    coord = sharding.config.coord(rank)
+    held_paths, lines = set(), []
+    for path, leaf in tree.tensors():
+        held = sharding.holding(path, coord)
+        if held is not None:
+            held_paths.add(path)
+            problem = _tensor_problem(leaf, held.shape, out.get(path, _MISSING), want)
+            if problem:
+                lines.append(f"out= leaf {path}: {problem}")
+    extra = [p for p in out if p not in held_paths]
+    if extra:
+        lines.append(f"out= has {len(extra)} entries that are no tensor leaf new rank {rank} holds "
+                     f"(first: {extra[0]})")
+    olds = {t.untyped_storage().data_ptr() for t in (old or {}).values()
+            if isinstance(t, torch.Tensor) and t.numel()}
+    shared = [p for p in held_paths if isinstance(out.get(p), torch.Tensor) and out[p].numel()
+              and out[p].untyped_storage().data_ptr() in olds]
+    if shared:
+        lines.append(f"out= leaf {shared[0]}: expected memory of its own, found it shares memory with "
+                     f"the old local state ({len(shared)} leaves do)")
+    return lines
+
+
 def _tensor_problem(leaf: TensorLeaf, shape: tuple[int, ...], t: Any, want: torch.device | None) -> str:
     if t is _MISSING:
         return f"missing (expected a {leaf.dtype} tensor of shape {list(shape)})"
@@ -116,7 +155,8 @@ def check_local_state(what: str, everyone: Sequence[Mapping], labels: Sequence[s
     lines = [f"{labels[p]}: {line}" for p, item in enumerate(everyone) for line in item["problems"]]
     if lines:
         more = f"; and {len(lines) - MAX_LISTED} more" if len(lines) > MAX_LISTED else ""
-        raise ShardError(f"{what}: local state does not match the tree: "
+        what_state = "local state or out=" if any(" out= " in line for line in lines) else "local state"
+        raise ShardError(f"{what}: {what_state} does not match the tree: "
                          + "; ".join(lines[:MAX_LISTED]) + more)
 
 

@@ -29,8 +29,9 @@ checks that the digests match). Process ``p`` may hold a source rank
   ``DistStats.peak_buffer`` reports the most held.
 
 Source shards are never written, so the state held before a transfer stays
-usable if the transfer fails. A target tensor that one local op fills whole
-from a contiguous source region is a view of the old shard (no copy).
+usable if the transfer fails. Target tensors are the caller's (``out``),
+filled in place, or new ones; a new target tensor that one local op fills
+whole from a contiguous source region is a view of the old shard (no copy).
 Every wait goes through the :class:`~tenplex.transform.guard.TransferGuard`,
 so a failure anywhere surfaces here as a TransferError within its bounds.
 """
@@ -96,7 +97,8 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
                         store_read: Callable | None = None,
                         device: str | torch.device = "cpu",
                         guard: TransferGuard | None = None,
-                        timeout: float = DEFAULT_TIMEOUT) -> tuple[dict | None, DistStats]:
+                        timeout: float = DEFAULT_TIMEOUT,
+                        out: dict[str, torch.Tensor] | None = None) -> tuple[dict | None, DistStats]:
     """Run ``plan`` across the processes of ``comm``.
 
     Args:
@@ -115,6 +117,10 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
         guard: the caller's fail-together guard (already entered); default
             a new one over ``comm`` with ``timeout``.
         timeout: seconds a silent peer is waited for (only without ``guard``).
+        out: the target tensors to fill in place (``{path: tensor}``, every tensor leaf this
+            process's target rank holds, contiguous, of the local shape and dtype, on
+            ``device``, sharing no memory with ``local``; checked by the caller,
+            :func:`~tenplex.transform.agree.out_problems`); default: new tensors.
 
     Returns:
         ``(target shards or None, stats)``; tensor leaves only (values are
@@ -129,16 +135,20 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
         with TransferGuard(comm, timeout=timeout, what="execute_distributed") as own:
             return execute_distributed(plan, tree, local, comm, src_of, dst_of,
                                        memory_budget=memory_budget, store_read=store_read,
-                                       device=device, guard=own)
+                                       device=device, guard=own, out=out)
     me, stats = comm.rank, DistStats()
     clock = Clock(stats.times, stats.cpu)
     proc_src = _owners(src_of, plan.src.world_size, "source")
     proc_dst = _owners(dst_of, plan.dst.world_size, "target")
     my_dst = dst_of[me]
+    given = out is not None
     with clock("allocate"):
-        out = allocate(tree, plan.dst_sharding(tree), my_dst) if my_dst is not None else None
-        if out is not None and torch.device(device).type != "cpu":
-            out = {k: v.to(device) for k, v in out.items()}
+        if given:  # the caller's tensors, filled in place
+            out = dict(out) if my_dst is not None else None
+        else:
+            out = allocate(tree, plan.dst_sharding(tree), my_dst) if my_dst is not None else None
+            if out is not None and torch.device(device).type != "cpu":
+                out = {k: v.to(device) for k, v in out.items()}
     with clock("setup"):  # which rows go where (every process can tell for every row)
         c = plan.table.cols
         n = len(c["dst"])
@@ -150,7 +160,7 @@ def execute_distributed(plan: Plan, tree: PTree, local: dict[str, Any] | None, c
         mine_in = dst_proc == me
         local_rows = np.nonzero(mine_in & (src_proc == me) & ~store | mine_in & fill)[0]
         store_rows = np.nonzero(mine_in & store & ~fill)[0]
-        if out is not None and local is not None:
+        if out is not None and local is not None and not given:
             local_rows = _share_unchanged(ctx, local_rows, mine_in, stats)
         if len(store_rows) and store_read is None:
             op = ctx.op(int(store_rows[0]))
@@ -263,14 +273,21 @@ class _Context:
         return is_contiguous(local, piece.view)
 
     def _view(self, shards, sharding, rank, path, index, region) -> torch.Tensor:
-        piece = self._piece(sharding, rank, path, index)
         key = (id(shards), path, index)
-        whole = self._views.get(key)
-        if whole is None:
-            whole = self._views[key] = piece_view(shards[path], piece)
-        if region == piece.box:
+        seen = self._views.get(key)
+        if seen is None:
+            piece = self._piece(sharding, rank, path, index)
+            tensor = shards[path]
+            if (piece.offset == 0 and piece.view == tuple(tensor.shape) and piece.local.sizes == piece.view
+                    and not any(piece.local.offsets)):
+                whole = tensor  # the piece is the whole local tensor (most are)
+            else:
+                whole = piece_view(tensor, piece)
+            seen = self._views[key] = (whole, piece.box)
+        whole, box = seen
+        if region == box:
             return whole
-        return whole[to_slices(relative(region, piece.box))]
+        return whole[to_slices(relative(region, box))]
 
     def src_view(self, row: int) -> torch.Tensor:
         op = self.op(row)

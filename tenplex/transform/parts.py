@@ -15,12 +15,18 @@ of the plan on this process:
    which these ops give exactly, so both ends size it alike.
 
 The cost grows with what this process and its peers hold, never with the
-world. A group of up to :data:`WHOLE_PLAN_UP_TO` processes plans the whole
-world in one call instead: there a part's two calls cost more than one. One gather then carries a digest of the plan's inputs
+world. One gather then carries a digest of the plan's inputs
 (:func:`inputs_digest`), which must be the same everywhere, and the regions
 of this process's targets that no live rank holds, so that a
 :class:`~tenplex.errors.MissingDataError` is raised on every process alike,
 listing every process's regions.
+
+A group of up to :data:`WHOLE_PLAN_UP_TO` processes plans the whole world in
+one call instead: there a part's two calls cost more than one. Where the
+caller's own gather already compared the arguments, the tree's digest and
+:func:`planner_version` (``agreed=``, as :func:`tenplex.reconfigure` does),
+such a group gathers nothing more: every process plans the same world from
+the same inputs and raises the same errors.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from tenplex.transform.placement import Placement
 from tenplex.transform.plan import FILL_CODE, LINK_CODE, PLAN_SCHEMA, Link, Plan, Totals
 from tenplex.transform.planner import RULES, make_plan, missing_message
 
-__all__ = ["inputs_digest", "peers_of", "plan_own_part", "WHOLE_PLAN_UP_TO"]
+__all__ = ["inputs_digest", "peers_of", "plan_own_part", "planner_version", "WHOLE_PLAN_UP_TO"]
 
 WHOLE_PLAN_UP_TO = 8
 """Groups of up to this many processes plan the whole world instead of their part: one planner
@@ -55,15 +61,22 @@ it (the tests set 0 to run small groups by parts)."""
 _STORE = LINK_CODE[Link.STORE]
 
 
+def planner_version() -> list:
+    """The planner's schema, rules and numpy's version (its choices are computed with numpy):
+    processes that agree on it and on a plan's inputs compute the same plan."""
+    return [PLAN_SCHEMA, RULES, np.__version__]
+
+
 def inputs_digest(tree: PTree, src: ParallelConfig, dst: ParallelConfig, src_placement: Placement,
-                  dst_placement: Placement, alive: Sequence[int], store_fallback: bool) -> str:
-    """xxh3-128 hex digest of everything a plan depends on (and of the planner's version).
+                  dst_placement: Placement, alive: Sequence[int], store_fallback: bool,
+                  tree_hex: str | None = None) -> str:
+    """xxh3-128 hex digest of everything a plan depends on (and of :func:`planner_version`).
 
     Two processes with equal digests compute equal plans, and equal parts of them: what
-    comparing :meth:`Plan.digest` checked, without planning the whole world. numpy's version
-    is included because the planner's choices are computed with it.
+    comparing :meth:`Plan.digest` checked, without planning the whole world. ``tree_hex``:
+    :func:`~tenplex.transform.agree.tree_digest` of ``tree`` where the caller holds it.
     """
-    head = {"planner": [PLAN_SCHEMA, RULES, np.__version__], "tree": tree_digest(tree),
+    head = {"planner": planner_version(), "tree": tree_hex or tree_digest(tree),
             "src": src.to_json(), "dst": dst.to_json(), "src_placement": src_placement.to_json(),
             "dst_placement": dst_placement.to_json(), "alive": sorted(int(r) for r in alive),
             "store_fallback": bool(store_fallback)}
@@ -90,7 +103,7 @@ def plan_own_part(guard: TransferGuard, what: str, tree: PTree, src: ParallelCon
                   dst: ParallelConfig, *, src_placement: Placement, dst_placement: Placement,
                   alive: set, store_fallback: bool, src_of: Sequence[int | None],
                   dst_of: Sequence[int | None], shardings: tuple[Sharding, Sharding],
-                  whole_up_to: int | None = None) -> tuple[Plan, Totals]:
+                  whole_up_to: int | None = None, agreed: str | None = None) -> tuple[Plan, Totals]:
     """This process's part of the plan, agreed with every process of ``guard``.
 
     Args:
@@ -103,6 +116,12 @@ def plan_own_part(guard: TransferGuard, what: str, tree: PTree, src: ParallelCon
         whole_up_to: a group of at most this many processes plans the whole world
             (default ``TENPLEX_WHOLE_PLAN_UP_TO`` from the environment, else
             :data:`WHOLE_PLAN_UP_TO`).
+        agreed: the tree's digest, where the caller's gather has already checked that every
+            process was called with the same arguments and tree and runs the same
+            :func:`planner_version` (and the placements and live ranks follow from what that
+            gather gave every process alike). A group that plans the whole world then
+            gathers nothing more: every process plans the same ops from the same inputs, and
+            raises the same MissingDataError. ``None``: agree on the inputs' digest here.
 
     Returns:
         ``(plan, totals)``: the partial plan (every op that touches this
@@ -121,14 +140,22 @@ def plan_own_part(guard: TransferGuard, what: str, tree: PTree, src: ParallelCon
     me = guard.comm.rank
     if whole_up_to is None:
         whole_up_to = int(os.environ.get("TENPLEX_WHOLE_PLAN_UP_TO", WHOLE_PLAN_UP_TO))
-    digest = inputs_digest(tree, src, dst, src_placement, dst_placement, alive, store_fallback)
+    whole = guard.comm.size <= whole_up_to
+    if whole and agreed is not None:  # every process plans the same world from agreed inputs
+        with guard.agreeing():  # a ConfigError or MissingDataError is raised everywhere alike
+            plan = make_plan(tree, src, dst, src_placement=src_placement, dst_placement=dst_placement,
+                             alive=alive, store_fallback=store_fallback, src_sharding=shardings[0],
+                             dst_sharding=shardings[1])
+        guard.phase("agree")
+        return plan, plan.totals if me == 0 else Totals()
+    digest = inputs_digest(tree, src, dst, src_placement, dst_placement, alive, store_fallback, agreed)
     common = dict(src_placement=src_placement, dst_placement=dst_placement, alive=alive,
                   store_fallback=store_fallback, src_sharding=shardings[0], dst_sharding=shardings[1])
     missing: dict = {}
     plan, totals = None, Totals()
     with guard.agreeing():  # a ConfigError (dst cannot hold the tree) is raised everywhere alike
         try:
-            if guard.comm.size <= whole_up_to:
+            if whole:
                 plan = make_plan(tree, src, dst, **common)
                 totals = plan.totals if me == 0 else Totals()
             else:

@@ -218,14 +218,16 @@ class OpTable:
         return len(self.cols["dst"])
 
     def __getitem__(self, i: int) -> CopyOp:
-        c = self.cols
-        p = int(c["path"][i])
+        rows = self.__dict__.get("_rows")
+        if rows is None:  # the columns as Python lists, once (the table never changes)
+            rows = self.__dict__["_rows"] = {k: v.tolist() for k, v in self.cols.items()}
+        i = int(i)
+        p = rows["path"][i]
         nd = self.ndims[p]
-        return CopyOp(self.paths[p], int(c["dst"][i]), int(c["src"][i]),
-                      Box(tuple(int(v) for v in c["offsets"][i, :nd]),
-                          tuple(int(v) for v in c["sizes"][i, :nd])),
-                      int(c["src_piece"][i]), int(c["dst_piece"][i]), int(c["nbytes"][i]),
-                      _KINDS[c["kind"][i]], _LINKS[c["link"][i]])
+        return CopyOp(self.paths[p], rows["dst"][i], rows["src"][i],
+                      Box(tuple(rows["offsets"][i][:nd]), tuple(rows["sizes"][i][:nd])),
+                      rows["src_piece"][i], rows["dst_piece"][i], rows["nbytes"][i],
+                      _KINDS[rows["kind"][i]], _LINKS[rows["link"][i]])
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))

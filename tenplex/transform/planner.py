@@ -31,8 +31,10 @@ or become STORE reads with ``store_fallback=True``.
 
 Cost: geometry and every load-free choice are computed once per kind of
 leaf (a :class:`~tenplex.transform.template.Template` per
-:func:`~tenplex.transform.geometry.signature`) and the rest is vectorized
-over target ranks, so planning GPT-3 175B from 1024 to 2048 ranks takes
+:func:`~tenplex.transform.geometry.signature`), leaves of one template,
+item size and deal turns share their op columns (the deal depends on the
+turn only modulo each group's number of candidates), and the rest is
+vectorized over target ranks, so planning GPT-3 175B from 1024 to 2048 ranks takes
 seconds (``bench/plan_scale.py``).
 """
 
@@ -288,7 +290,9 @@ class _Builder:
         self.cursor = 0  # the widths of the leaves so far (see _turn)
         self.near_stage: dict = {}  # Stage -> whether a rank of the part runs it
         self.templates: dict = {}
-        self.columns: list[dict] = []  # per leaf: its ops' OpTable columns
+        self.signatures: dict = {}  # TensorLeaf -> its signature
+        self.stamps: dict = {}  # (signature, item size, turns) -> columns (see leaf)
+        self.columns: list[tuple] = []  # per leaf: (its index, its ops' OpTable columns but path)
         self.missing: dict[str, list[Box]] = {}
         self.padding: list[PaddingChange] = []
         self.lower_bound = self.lower_bound_network = 0  # bytes
@@ -316,7 +320,9 @@ class _Builder:
         turn = self._turn(leaf)
         if self.part is not None and not self._wanted(path, leaf):
             return  # none of the part's targets holds it, none of its senders: no op of the part
-        key = signature(self.src_sharding, self.dst_sharding, leaf)
+        key = self.signatures.get(leaf)
+        if key is None:  # equal leaves (another layer's same weight) have equal signatures
+            key = self.signatures[leaf] = signature(self.src_sharding, self.dst_sharding, leaf)
         template = self.templates.get(key)
         if template is None:
             template = self.templates[key] = self.maker.make(path, leaf)
@@ -332,19 +338,22 @@ class _Builder:
             for s in dict.fromkeys(rows.seg[missing].tolist()):
                 boxes.append(_box(segments, s, len(leaf.shape)))
             return
-        src = self._choose(choice, rows.pos, segments.phase[rows.seg], turn)
-        keep = slice(None)
-        if self.part is not None:
-            keep = np.nonzero(self.part[0][rows.dst] | self.part[1][src])[0]
-        seg = rows.seg[keep]
-        alt = choice.alt[keep]
-        self.columns.append({
-            "path": np.full(len(seg), index, dtype=np.int32),
-            "dst": rows.dst[keep], "src": src[keep], "offsets": segments.offsets[seg],
-            "sizes": segments.sizes[seg], "src_piece": segments.pieces[alt, seg],
-            "dst_piece": segments.dst_piece[seg], "nbytes": segments.volume[seg] * itemsize,
-            "kind": segments.kinds[alt, seg], "link": choice.link[keep],
-        })
+        # the leaf's columns but its path are a function of its template, item size and the
+        # turn modulo each deal's number of candidates: leaves that agree on these share them
+        stamp = (key, itemsize, tuple(turn % len(c) for c, _ in choice.host_groups + choice.net_groups))
+        cols = self.stamps.get(stamp)
+        if cols is None:
+            src = self._choose(choice, rows.pos, segments.phase[rows.seg], turn)
+            keep = slice(None)
+            if self.part is not None:
+                keep = np.nonzero(self.part[0][rows.dst] | self.part[1][src])[0]
+            seg, alt = rows.seg[keep], choice.alt[keep]
+            cols = self.stamps[stamp] = {
+                "dst": rows.dst[keep], "src": src[keep], "offsets": segments.offsets[seg],
+                "sizes": segments.sizes[seg], "src_piece": segments.pieces[alt, seg],
+                "dst_piece": segments.dst_piece[seg], "nbytes": segments.volume[seg] * itemsize,
+                "kind": segments.kinds[alt, seg], "link": choice.link[keep]}
+        self.columns.append((index, cols))
 
     def _turn(self, leaf: TensorLeaf) -> int:
         """The leaf's turn in :func:`deal`, a round robin over the replicas that goes on from
@@ -406,7 +415,9 @@ class _Builder:
         """Every leaf's ops in one table, ordered by target rank (stable: tree order within)."""
         if not self.columns:
             return OpTable.empty(self.paths, self.ndims)
-        cols = {k: np.concatenate([c[k] for c in self.columns]) for k in OpTable.COLUMNS}
+        cols = {k: np.concatenate([c[k] for _, c in self.columns]) for k in OpTable.COLUMNS if k != "path"}
+        cols["path"] = np.repeat(np.array([i for i, _ in self.columns], dtype=np.int32),
+                                 [len(c["dst"]) for _, c in self.columns])
         order = np.argsort(cols["dst"], kind="stable")
         dtypes = {"path": np.int32, "dst": np.int32, "src": np.int32, "src_piece": np.int32,
                   "dst_piece": np.int32, "nbytes": np.int64, "kind": np.int8, "link": np.int8,
