@@ -4,6 +4,8 @@ Ranks fall into holder classes (replicas); per leaf, each (target holder class, 
 pool) pair that shares bytes adds one constant block to ``W``. :func:`terms` lists those
 blocks, merged across leaves, at a cost of kinds of leaves x classes, never ranks x ranks;
 :mod:`tenplex.transform.assign` places ranks and numbers processes from them.
+:func:`first_uncovered` checks on the same classes that the live ranks hold every byte
+the targets need, without planning (recovery chooses a step with it).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from tenplex.ptree.config import ParallelConfig
-from tenplex.ptree.region import intersect, volume
+from tenplex.ptree.region import intersect, subtract, volume
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
 from tenplex.transform.geometry import LeafGeometry, signature, tp_symmetric
 
-__all__ = ["Terms", "terms"]
+__all__ = ["Terms", "terms", "first_uncovered"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,18 +76,76 @@ def _kind_terms(S: Sharding, D: Sharding, path: str, leaf, alive: np.ndarray, co
     The tiling is ``(degree, target stride, source stride)``: the term stands for ``degree``
     terms, the ``t``-th with its ranks moved by ``t`` strides; ``(1, 0, 0)`` for itself.
     """
-    tiling = None
-    if tp_symmetric(S, D, leaf):
-        axis, degree = S.split_axis(leaf), S.degree(leaf)
-        if axis not in symmetric:
-            symmetric[axis] = _alive_symmetric(S.config, axis, alive)
-        if symmetric[axis]:
-            tiling = (degree, D.config.stride(axis), S.config.stride(axis))
+    tiling = _tiling(S, D, leaf, alive, symmetric)
     if tiling is None:
         needed, terms = _leaf_terms(LeafGeometry(S, D, path, alive, covers))
         return needed, {(k, p, (1, 0, 0)): n for (k, p), n in terms.items()}
     needed, terms = _leaf_terms(LeafGeometry(S, D, path, alive, covers, tp_coord=0))
     return needed * tiling[0], {(k, p, tiling): n for (k, p), n in terms.items()}
+
+
+def _tiling(S: Sharding, D: Sharding, leaf, alive: np.ndarray, symmetric: dict):
+    """``(degree, target stride, source stride)`` if split rank ``t``'s picture of ``leaf``,
+    live ranks included, is split rank 0's moved by ``t`` strides; else ``None``.
+
+    ``symmetric`` memoizes, per split axis, whether the live ranks are symmetric.
+    """
+    if not tp_symmetric(S, D, leaf):
+        return None
+    axis, degree = S.split_axis(leaf), S.degree(leaf)
+    if axis not in symmetric:
+        symmetric[axis] = _alive_symmetric(S.config, axis, alive)
+    return (degree, D.config.stride(axis), S.config.stride(axis)) if symmetric[axis] else None
+
+
+def first_uncovered(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
+                    alive: np.ndarray) -> str | None:
+    """The first tensor leaf (tree order) with a region some target rank needs (FILL excluded)
+    that no live source rank holds, or ``None``: every byte can come from a live rank.
+
+    The planner's :class:`~tenplex.errors.MissingDataError` (or its STORE reads, with
+    ``store_fallback``) comes exactly where this finds a leaf, but nothing is planned: the
+    check runs per kind of leaf and target holder class (split rank 0 alone where the
+    picture is tiled), and stops at the first hole.
+
+    Args:
+        tree: the tree spec.
+        src, dst: the old and new configs.
+        alive: ``[src world + 1]`` bool, the live source ranks (last entry False).
+    """
+    S, D = Sharding(tree, src), Sharding(tree, dst)
+    kinds: dict = {}
+    symmetric: dict = {}
+    for path, leaf in tree.tensors():
+        key = signature(S, D, leaf)
+        whole = kinds.get(key)
+        if whole is None:
+            tp_coord = None if _tiling(S, D, leaf, alive, symmetric) is None else 0
+            whole = kinds[key] = _covered(LeafGeometry(S, D, path, alive, None, tp_coord))
+        if not whole:
+            return path
+    return None
+
+
+def _covered(g: LeafGeometry) -> bool:
+    """Whether the live pools of ``g`` hold every box its target classes need."""
+    for _, boxes in g.dst_classes:
+        for box in boxes:
+            inside = intersect(box, g.extent)
+            if inside is None or not volume(inside):
+                continue
+            remaining = [inside]
+            for c in g.index.overlapping(inside):
+                rest = []
+                for part in remaining:
+                    inter = intersect(part, c.box)
+                    rest.extend((part,) if inter is None else subtract(part, inter))
+                remaining = rest
+                if not remaining:
+                    break
+            if any(volume(b) for b in remaining):
+                return False
+    return True
 
 
 def _tile(terms: dict) -> Terms:
