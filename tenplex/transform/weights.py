@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.ranks import RankTable
 from tenplex.ptree.region import intersect, subtract, volume
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
@@ -176,8 +177,7 @@ def _alive_symmetric(config: ParallelConfig, axis: str, alive: np.ndarray) -> bo
     live = alive[:-1]
     if live.all():
         return True
-    coord = np.array([getattr(config.coord(r), axis) for r in range(config.world_size)],
-                     dtype=np.int64)
+    coord = RankTable(config).coord[axis]
     base = np.arange(config.world_size) - coord * config.stride(axis)
     return bool(np.array_equal(live, live[base]))
 

@@ -142,3 +142,28 @@ def test_equal_blocks_are_matched_once(monkeypatch):
     assert len(distinct) < len(blocks)  # the middle stages' blocks are equal
     best_numbering(tree, a, b, list(range(16)) + [None] * 16, range(16), given=list(range(32)))
     assert len(calls) == len(distinct), f"{len(calls)} Hungarian runs for {len(distinct)} distinct blocks"
+
+
+def test_weight_blocks_with_a_lost_tp_group_are_tiled_and_exact(monkeypatch):
+    # dp rank 1's tp group is lost whole: the live ranks are the same on every tp rank, so split
+    # leaves are still worked out for tp rank 0 alone; a single lost rank breaks that symmetry
+    tree, a, b = _stage_tree(), P(dp=2, tp=2, pp=2), P(dp=1, tp=2, pp=2)
+    seen = []
+    init = LeafGeometry.__init__
+
+    def spy(self, src, dst, path, alive_mask, shared=None, tp_coord=None):
+        seen.append(tp_coord)
+        init(self, src, dst, path, alive_mask, shared, tp_coord)
+
+    monkeypatch.setattr(LeafGeometry, "__init__", spy)
+    for lost, tiled in (({a.rank(a.coord(r)._replace(dp=1)) for r in range(2)}, True), ({3}, False)):
+        seen.clear()
+        alive = np.ones(a.world_size + 1, dtype=bool)
+        alive[sorted(lost)] = alive[-1] = False
+        weight = bytes_in_common(tree, a, b)
+        weight[:, ~alive[:-1]] = 0
+        blocks = weight_blocks(tree, a, b, alive)[1]
+        expected = _dense_components(weight)
+        assert [(k.targets.tolist(), k.sources.tolist(), k.weight.tolist()) for k in blocks] == \
+            [(t.tolist(), s.tolist(), w.tolist()) for t, s, w in expected]
+        assert (0 in seen) is tiled, (lost, seen)
