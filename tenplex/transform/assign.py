@@ -128,18 +128,19 @@ class Block:
 
 
 def weight_blocks(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
-                  alive: np.ndarray | None = None) -> tuple[int, list[Block]]:
+                  alive: np.ndarray | None = None, shardings=None) -> tuple[int, list[Block]]:
     """``(needed, blocks)``: the bytes the targets need, and ``W`` as its connected components.
 
     ``W[t, s]`` (:func:`bytes_in_common`, live sources only) is zero outside the blocks.
     It is summed from block terms (:func:`~tenplex.transform.weights.terms`) and never made whole: the components
     are found on a graph with one star per term (a few edges per rank), and each block is
     filled from its own terms, the one-target, one-source terms (a dp-sharded optimizer's
-    overlaps, most of the terms) all at once.
+    overlaps, most of the terms) all at once. ``shardings``: as
+    :func:`~tenplex.transform.weights.terms`.
     """
     from scipy.sparse import coo_matrix, csgraph
 
-    needed, terms = _terms(tree, src, dst, alive)
+    needed, terms = _terms(tree, src, dst, alive, shardings)
     n_t, n_s = dst.world_size, src.world_size
     if not terms.many and not len(terms.one_t):
         return needed, []
@@ -272,7 +273,7 @@ def placement_bound(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
 
 def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
                    src_of: Sequence[int | None], alive: Sequence[int],
-                   given: Sequence[int | None] | None = None) -> tuple[list, int]:
+                   given: Sequence[int | None] | None = None, shardings=None) -> tuple[list, int]:
     """The new rank of each process that keeps the most bytes in place, and the placement bound.
 
     A live change's processes are its devices: process ``p`` holds old rank ``src_of[p]``
@@ -288,6 +289,8 @@ def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
         src_of: per process, the old rank it holds, or ``None``.
         alive: the old ranks that can serve data.
         given: per process, the new rank it would hold without renumbering (or ``None``).
+        shardings: ``(Sharding(tree, src), Sharding(tree, dst))`` to reuse and fill (a live
+            change's, which its planner reuses); default new ones.
 
     Returns:
         ``(dst_of, bound)``: per process its new rank or ``None``, and the placement-free bound
@@ -304,7 +307,7 @@ def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
             process_of[r] = p
     live = np.zeros(src.world_size + 1, dtype=bool)
     live[[r for r in alive if process_of[r] >= 0]] = True
-    needed, blocks = weight_blocks(tree, src, dst, live)
+    needed, blocks = weight_blocks(tree, src, dst, live, shardings)
     chosen = np.full(dst.world_size, -1, dtype=np.int64)
     best = 0
     for block, (rows, cols) in zip(blocks, _matchings(blocks)):

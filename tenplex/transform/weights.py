@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.ranks import RankTable
 from tenplex.ptree.region import intersect, subtract, volume
@@ -40,7 +41,8 @@ class Terms:
     many: list
 
 
-def terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarray | None):
+def terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarray | None,
+          shardings: tuple[Sharding, Sharding] | None = None):
     """``(needed, terms)``: the bytes the targets need, and ``W`` as a sum of constant blocks.
 
     Per leaf, every (target holder class, live source pool) pair that shares bytes is one
@@ -49,8 +51,10 @@ def terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarr
     sides (:func:`~tenplex.transform.geometry.tp_symmetric`, with live ranks symmetric too)
     is worked out for split rank 0 only, as the planner's templates are: its terms are
     merged at split rank 0 and tiled over the other split ranks at the end, as arrays.
+    ``shardings``: ``(Sharding(tree, src), Sharding(tree, dst))`` to reuse (and fill) their
+    memos, e.g. a live change's, which its planner then reuses.
     """
-    S, D = Sharding(tree, src), Sharding(tree, dst)
+    S, D = shardings_of(tree, src, dst, shardings)
     if alive is None:
         alive = np.r_[np.ones(src.world_size, dtype=bool), False]
     needed = 0
@@ -67,6 +71,22 @@ def terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarr
         for pair, n in kind[1].items():
             summed[pair] = summed.get(pair, 0) + n * leaf.itemsize
     return needed, _tile(summed)
+
+
+def shardings_of(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
+                 shardings: tuple[Sharding, Sharding] | None) -> tuple[Sharding, Sharding]:
+    """``shardings`` if given (checked to be ``tree``'s under ``src`` and ``dst``), else new ones.
+
+    Raises:
+        ConfigError: a given sharding is of another tree or config.
+    """
+    if shardings is None:
+        return Sharding(tree, src), Sharding(tree, dst)
+    for sharding, config, side in zip(shardings, (src, dst), ("source", "target")):
+        if sharding.tree is not tree or sharding.config != config:
+            raise ConfigError(f"the {side} sharding is of {sharding.config}, expected {config} "
+                              "(and the same tree)")
+    return shardings
 
 
 def _kind_terms(S: Sharding, D: Sharding, path: str, leaf, alive: np.ndarray, covers: dict,
@@ -100,7 +120,7 @@ def _tiling(S: Sharding, D: Sharding, leaf, alive: np.ndarray, symmetric: dict):
 
 
 def first_uncovered(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
-                    alive: np.ndarray) -> str | None:
+                    alive: np.ndarray, shardings: tuple[Sharding, Sharding] | None = None) -> str | None:
     """The first tensor leaf (tree order) with a region some target rank needs (FILL excluded)
     that no live source rank holds, or ``None``: every byte can come from a live rank.
 
@@ -113,8 +133,9 @@ def first_uncovered(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
         tree: the tree spec.
         src, dst: the old and new configs.
         alive: ``[src world + 1]`` bool, the live source ranks (last entry False).
+        shardings: as :func:`terms`.
     """
-    S, D = Sharding(tree, src), Sharding(tree, dst)
+    S, D = shardings_of(tree, src, dst, shardings)
     kinds: dict = {}
     symmetric: dict = {}
     for path, leaf in tree.tensors():
