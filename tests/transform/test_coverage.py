@@ -19,7 +19,7 @@ def _mask(world, alive):
     return mask
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(tree_and_configs(), st.data())
 def test_first_uncovered_is_the_planners_first_missing_leaf(args, data):
     # oracle: the whole plan raises MissingDataError exactly when a leaf is uncovered, naming

@@ -62,7 +62,7 @@ def _reference_numbering(tree, a, b, src_of, alive, given):
     return dst_of, best
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(tree_and_configs(), st.data())
 def test_weight_blocks_are_the_components_of_the_dense_weights(args, data):
     spec, tree, a, b = args
@@ -79,7 +79,7 @@ def test_weight_blocks_are_the_components_of_the_dense_weights(args, data):
         assert np.array_equal(block.weight, w)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(tree_and_configs(), st.data())
 def test_best_numbering_is_the_dense_hungarian_numbering(args, data):
     # processes hold old ranks in any order (some join empty), some old ranks are dead, and the
