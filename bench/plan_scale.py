@@ -22,7 +22,10 @@ contiguous and with the best placement, and the placement-free bound
 rule is printed beside it). The last line then adds ``plan_s_405b``,
 ``plan_rss_mb_405b``, ``own_rank_plan_ms_405b`` (the slowest of the six),
 ``own_rank_first_call_ms_405b``, ``placement_s_405b``,
-``best_moved_over_placement_bound`` (the worse way) and the bytes.
+``best_moved_over_placement_bound`` (the worse way) and the bytes, and
+``best_numbering``'s time and peak RSS as every process of a live change runs
+it (``renumber_s_405b``, ``renumber_cpu_s_405b``, ``renumber_rss_mb_405b``,
+per way).
 
 Usage: python bench/plan_scale.py [--layers 96] [--repeat 3] [--only-405b]
 """
@@ -164,6 +167,32 @@ def run_405b_placement(change: str, queue) -> None:
                "best_moved_tb": moved / 1e12})
 
 
+def run_405b_numbering(change: str, queue) -> None:
+    """``best_numbering`` as ``reconfigure(renumber=True)`` calls it on every process of a live
+    change (process ``p`` holds old rank ``p``; the given numbering is the contiguous one):
+    wall and CPU time (the fastest of three calls, and the first), peak RSS, and the bytes its
+    numbering keeps against the given one's."""
+    from tenplex.transform.assign import best_numbering, import_solvers
+
+    import_solvers()  # a live job imports them at start (Membership)
+    tree, config = llama_405b()
+    a, b = (config(dp) for dp in LLAMA_405B_CHANGES[change])
+    size = max(a.world_size, b.world_size)
+    src_of = [p if p < a.world_size else None for p in range(size)]
+    given = [p if p < b.world_size else None for p in range(size)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    runs, cpus = [], []
+    for _ in range(3):
+        t0, c0 = time.perf_counter(), time.process_time()
+        dst_of, bound = best_numbering(tree, a, b, src_of, range(a.world_size), given=given)
+        runs.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    queue.put({"numbering_s": min(runs), "numbering_cpu_s": min(cpus), "numbering_first_s": runs[0],
+               "numbering_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "numbering_rss_before_mb": before, "renumbered": dst_of != given,
+               "numbering_bound_tb": bound / 1e12})
+
+
 def run_405b_own(change: str, queue) -> None:
     """Own-rank plans of the first, a middle and the last rank: the first call in this process
     (cold: it also makes the default placements and the shardings) and again (warm)."""
@@ -207,11 +236,12 @@ def _child(ctx, target, *args):
 
 def bench_405b(ctx) -> dict:
     """The Llama-3.1-405B changes; prints their lines and returns the last line's keys."""
-    whole, own, place = {}, {}, {}
+    whole, own, place, number = {}, {}, {}, {}
     for change in LLAMA_405B_CHANGES:
         whole[change] = w = _child(ctx, run_405b_whole, change)
         own[change] = o = _child(ctx, run_405b_own, change)
         place[change] = p = _child(ctx, run_405b_placement, change)
+        number[change] = n = _child(ctx, run_405b_numbering, change)
         print(f"405B {change}: whole plan {w['plan_s']:.2f}s peak_rss={w['plan_rss_mb']:.0f}MB "
               f"ops={w['ops']:,}; needed {w['needed_tb']:.1f}TB")
         print("      own-rank plans: " + ", ".join(
@@ -224,6 +254,10 @@ def bench_405b(ctx) -> dict:
         print(f"      moved: contiguous {w['moved_tb']:.2f}TB, best placement {p['best_moved_tb']:.2f}TB; "
               f"placement-free bound {p['bound_tb']:.2f}TB (row maxima only, the issue's rule: "
               f"{p['row_bound_tb']:.2f}TB; {p['bound_s']:.1f}s)")
+        print(f"      renumbering (best_numbering, every process of a live change) {n['numbering_s']:.3f}s "
+              f"(cpu {n['numbering_cpu_s']:.3f}s; first call {n['numbering_first_s']:.3f}s) "
+              f"peak_rss={n['numbering_rss_mb']:.0f}MB (before {n['numbering_rss_before_mb']:.0f}MB); "
+              f"renumbered: {n['renumbered']}")
     ratio = [p["best_moved_tb"] / p["bound_tb"] if p["bound_tb"] else 1.0 for p in place.values()]
     return {
         "plan_s_405b": round(max(w["plan_s"] for w in whole.values()), 3),
@@ -236,6 +270,9 @@ def bench_405b(ctx) -> dict:
         "placement_cpu_s_405b": round(max(p["placement_cpu_s"] for p in place.values()), 3),
         "placement_rss_mb_405b": round(max(p["placement_rss_mb"] for p in place.values()), 1),
         "best_moved_over_placement_bound": round(max(ratio), 4),
+        "renumber_s_405b": {c: round(n["numbering_s"], 3) for c, n in number.items()},
+        "renumber_cpu_s_405b": {c: round(n["numbering_cpu_s"], 3) for c, n in number.items()},
+        "renumber_rss_mb_405b": {c: round(n["numbering_rss_mb"], 1) for c, n in number.items()},
         "placement_bound_tb_405b": {c: round(p["bound_tb"], 3) for c, p in place.items()},
         "moved_tb_405b": {c: {"contiguous": round(whole[c]["moved_tb"], 3),
                               "best": round(p["best_moved_tb"], 3)} for c, p in place.items()},

@@ -184,8 +184,16 @@ def _entry(data: str, item) -> tuple:
 
 def _choose(tree_of, new: ParallelConfig, hosts: list[str], offers: dict[str, list], store_step,
             has_store: bool):
-    """The newest feasible ``(step, old config, src_of, tree)``, or ``None``: the same on every process."""
-    from tenplex.transform.planner import make_plan
+    """The newest feasible ``(step, old config, src_of, tree)``, or ``None``: the same on every process.
+
+    A step is feasible if its snapshots hold every byte the new state needs, or the checkpoint
+    is of that step and fills the rest. That is checked on holder classes
+    (:func:`~tenplex.transform.weights.first_uncovered`), without planning the whole world:
+    :func:`tenplex.recover` then plans each process's own part.
+    """
+    import numpy as np
+
+    from tenplex.transform.weights import first_uncovered
 
     candidates = sorted({(o[1], json.dumps(o[3], sort_keys=True)) for host in offers.values() for o in host},
                         reverse=True)
@@ -198,14 +206,11 @@ def _choose(tree_of, new: ParallelConfig, hosts: list[str], offers: dict[str, li
             procs = [p for p, h in enumerate(hosts) if h == host]
             for p, r in zip(procs, ranks):
                 src_of[p] = r
-        alive = {r for r in src_of if r is not None}
+        alive = np.zeros(old.world_size + 1, dtype=bool)
+        alive[[r for r in src_of if r is not None]] = True
         tree = tree_of(old)
-        try:
-            plan = make_plan(tree, old, new, alive=alive, store_fallback=has_store)
-        except MissingDataError:
-            continue
-        if plan.totals.store and store_step != step:
-            continue
+        if first_uncovered(tree, old, new, alive) is not None and (not has_store or store_step != step):
+            continue  # the snapshots miss bytes that the checkpoint cannot fill (none, or of another step)
         return step, old, src_of, tree
     return None
 

@@ -29,8 +29,8 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.region import intersect, volume
 from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import PTree
-from tenplex.transform.geometry import LeafGeometry, signature
 from tenplex.transform.placement import Device, Placement
+from tenplex.transform.weights import terms as _terms
 
 __all__ = ["bytes_in_common", "best_placement", "placement_bound", "sparse_weights",
            "weight_blocks", "Block", "best_numbering", "import_solvers"]
@@ -103,8 +103,8 @@ def best_placement(tree: PTree, src: ParallelConfig, dst: ParallelConfig, src_pl
             device_of[index[d]] = j
     alive = np.r_[device_of >= 0, False]
     chosen = np.full(dst.world_size, -1, dtype=np.int64)
-    for block in weight_blocks(tree, src, dst, alive)[1]:
-        rows, cols = _assign(block.weight)
+    blocks = weight_blocks(tree, src, dst, alive)[1]
+    for block, (rows, cols) in zip(blocks, _matchings(blocks)):
         chosen[block.targets[rows]] = device_of[block.sources[cols]]
     free = np.setdiff1d(np.arange(len(pool)), chosen[chosen >= 0])
     left = np.nonzero(chosen < 0)[0]
@@ -128,40 +128,61 @@ class Block:
 
 
 def weight_blocks(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
-                  alive: np.ndarray | None = None) -> tuple[int, list[Block]]:
+                  alive: np.ndarray | None = None, shardings=None) -> tuple[int, list[Block]]:
     """``(needed, blocks)``: the bytes the targets need, and ``W`` as its connected components.
 
     ``W[t, s]`` (:func:`bytes_in_common`, live sources only) is zero outside the blocks.
-    It is summed from block terms (:func:`_terms`) and never made whole: the components
+    It is summed from block terms (:func:`~tenplex.transform.weights.terms`) and never made whole: the components
     are found on a graph with one star per term (a few edges per rank), and each block is
-    filled from its own terms.
+    filled from its own terms, the one-target, one-source terms (a dp-sharded optimizer's
+    overlaps, most of the terms) all at once. ``shardings``: as
+    :func:`~tenplex.transform.weights.terms`.
     """
     from scipy.sparse import coo_matrix, csgraph
 
-    needed, terms = _terms(tree, src, dst, alive)
+    needed, terms = _terms(tree, src, dst, alive, shardings)
     n_t, n_s = dst.world_size, src.world_size
-    if not terms:
+    if not terms.many and not len(terms.one_t):
         return needed, []
-    heads, tails = [], []
-    for k, p, _ in terms:  # a star over the term's ranks: targets 0..n_t-1, sources n_t..
+    heads, tails = [terms.one_t], [terms.one_s + n_t]
+    for k, p, _ in terms.many:  # a star over the term's ranks: targets 0..n_t-1, sources n_t..
         nodes = np.concatenate([k, p + n_t])
         heads.append(np.full(len(nodes) - 1, nodes[0]))
         tails.append(nodes[1:])
     head, tail = np.concatenate(heads), np.concatenate(tails)
     graph = coo_matrix((np.ones(len(head), dtype=np.int8), (head, tail)), shape=(n_t + n_s,) * 2)
     _, label = csgraph.connected_components(graph, directed=False)
-    by_component: dict = {}
-    for k, p, n in terms:
-        by_component.setdefault(int(label[k[0]]), []).append((k, p, n))
-    blocks = []
-    for c in sorted(by_component):
-        targets = np.nonzero(label[:n_t] == c)[0]
-        sources = np.nonzero(label[n_t:] == c)[0]
-        weight = np.zeros((len(targets), len(sources)), dtype=np.int64)
-        for k, p, n in by_component[c]:
-            weight[np.ix_(np.searchsorted(targets, k), np.searchsorted(sources, p))] += n
-        blocks.append(Block(targets, sources, weight))
+    firsts = np.array([k[0] for k, _, _ in terms.many], dtype=np.int64)
+    used = np.unique(np.concatenate([label[terms.one_t], label[firsts]]))
+    members = _members(label, n_t, used)
+    blocks = [Block(targets, sources, np.zeros((len(targets), len(sources)), dtype=np.int64))
+              for targets, sources in members]
+    at = np.full(label.max() + 1, -1, dtype=np.int64)
+    at[used] = np.arange(len(used))
+    pos = np.zeros(n_t + n_s, dtype=np.int64)  # each rank's row (target) or column (source)
+    for targets, sources in members:
+        pos[targets] = np.arange(len(targets))
+        pos[sources + n_t] = np.arange(len(sources))
+    for k, p, n in terms.many:
+        blocks[at[label[k[0]]]].weight[np.ix_(pos[k], pos[p + n_t])] += n
+    which = at[label[terms.one_t]]
+    order = np.argsort(which, kind="stable")
+    cuts = np.searchsorted(which[order], np.arange(len(blocks) + 1))
+    for b, block in enumerate(blocks):
+        sel = order[cuts[b]:cuts[b + 1]]
+        np.add.at(block.weight, (pos[terms.one_t[sel]], pos[terms.one_s[sel] + n_t]),
+                  terms.one_n[sel])
     return needed, blocks
+
+
+def _members(label: np.ndarray, n_t: int, used: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per component in ``used`` (ascending labels), its target and source ranks, ascending."""
+    out = []
+    for side, offset in ((label[:n_t], 0), (label[n_t:], 0)):
+        order = np.argsort(side, kind="stable")
+        cuts = np.searchsorted(side[order], np.stack([used, used + 1]))
+        out.append([order[a:b] + offset for a, b in zip(cuts[0].tolist(), cuts[1].tolist())])
+    return list(zip(out[0], out[1]))
 
 
 def _assign(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -171,30 +192,23 @@ def _assign(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return linear_sum_assignment(block, maximize=True)
 
 
-def _terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarray | None):
-    """``(needed, [(target ranks, source ranks, bytes)])``: ``W`` as a sum of constant blocks.
+def _matchings(blocks: list[Block]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`_assign` of each block; a block equal to an earlier one reuses its matching.
 
-    Per leaf, every (target holder class, live source pool) pair that shares bytes is one
-    block term; terms with the same ranks are merged across leaves (all layers of a stage
-    share them), so the cost is kinds of leaves x classes. Rank arrays are int64, ascending.
+    Equal blocks are common (every pipeline stage with the same layers gives the same block),
+    and the Hungarian method is a function of the matrix, so this changes no result: the
+    14 middle stages of Llama-3.1-405B at pp 16 are solved once.
     """
-    S, D = Sharding(tree, src), Sharding(tree, dst)
-    if alive is None:
-        alive = np.r_[np.ones(src.world_size, dtype=bool), False]
-    needed = 0
-    terms: dict = {}
-    covers: dict = {}
-    kinds: dict = {}  # leaves of one kind (geometry.signature) share their terms, in elements
-    for path, leaf in tree.tensors():
-        key = signature(S, D, leaf)
-        kind = kinds.get(key)
-        if kind is None:
-            kind = kinds[key] = _leaf_terms(LeafGeometry(S, D, path, alive, covers))
-        needed += kind[0] * leaf.itemsize
-        for pair, n in kind[1].items():
-            terms[pair] = terms.get(pair, 0) + n * leaf.itemsize
-    return needed, [(np.frombuffer(k, dtype=np.int64), np.frombuffer(p, dtype=np.int64), n)
-                    for (k, p), n in terms.items()]
+    seen: dict = {}
+    out = []
+    for block in blocks:
+        w = block.weight
+        key = (w.shape, w.sum(axis=1).tobytes())  # cheap; equality is checked below
+        hit = seen.get(key)
+        if hit is None or not np.array_equal(hit[0], w):
+            hit = seen[key] = (w, _assign(w))
+        out.append(hit[1])
+    return out
 
 
 def sparse_weights(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
@@ -213,8 +227,8 @@ def sparse_weights(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
     from scipy import sparse
 
     needed, terms = _terms(tree, src, dst, alive)
-    rows, cols, data = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for k, p, n in terms:
+    rows, cols, data = [terms.one_t], [terms.one_s], [terms.one_n]
+    for k, p, n in terms.many:
         rows.append(np.repeat(k, len(p)))
         cols.append(np.tile(p, len(k)))
         data.append(np.full(len(k) * len(p), n, dtype=np.int64))
@@ -257,30 +271,9 @@ def placement_bound(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
     return needed - min(by_target, by_source)
 
 
-def _leaf_terms(g) -> tuple[int, dict]:
-    """``(elements needed, {(target class ranks, pool ranks) as bytes: elements held})`` of a leaf."""
-    needed = 0
-    terms: dict = {}
-    for ranks, boxes in g.dst_classes:
-        held: dict = {}
-        for box in boxes:
-            inside = intersect(box, g.extent)
-            if inside is None:
-                continue
-            needed += volume(inside) * len(ranks)
-            for c in g.index.overlapping(inside):
-                inter = intersect(inside, c.box)
-                if inter is not None:
-                    held[c.pool] = held.get(c.pool, 0) + volume(inter)
-        for pool, n in held.items():
-            key = (ranks.tobytes(), g.pools[pool].tobytes())
-            terms[key] = terms.get(key, 0) + n
-    return needed, terms
-
-
 def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
                    src_of: Sequence[int | None], alive: Sequence[int],
-                   given: Sequence[int | None] | None = None) -> tuple[list, int]:
+                   given: Sequence[int | None] | None = None, shardings=None) -> tuple[list, int]:
     """The new rank of each process that keeps the most bytes in place, and the placement bound.
 
     A live change's processes are its devices: process ``p`` holds old rank ``src_of[p]``
@@ -296,6 +289,8 @@ def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
         src_of: per process, the old rank it holds, or ``None``.
         alive: the old ranks that can serve data.
         given: per process, the new rank it would hold without renumbering (or ``None``).
+        shardings: ``(Sharding(tree, src), Sharding(tree, dst))`` to reuse and fill (a live
+            change's, which its planner reuses); default new ones.
 
     Returns:
         ``(dst_of, bound)``: per process its new rank or ``None``, and the placement-free bound
@@ -312,11 +307,10 @@ def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
             process_of[r] = p
     live = np.zeros(src.world_size + 1, dtype=bool)
     live[[r for r in alive if process_of[r] >= 0]] = True
-    needed, blocks = weight_blocks(tree, src, dst, live)
+    needed, blocks = weight_blocks(tree, src, dst, live, shardings)
     chosen = np.full(dst.world_size, -1, dtype=np.int64)
     best = 0
-    for block in blocks:
-        rows, cols = _assign(block.weight)
+    for block, (rows, cols) in zip(blocks, _matchings(blocks)):
         chosen[block.targets[rows]] = process_of[block.sources[cols]]
         best += int(block.weight[rows, cols].sum())
     by_target = sum(int(b.weight.max(axis=1).sum()) for b in blocks)
@@ -336,16 +330,17 @@ def best_numbering(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
 def _kept(blocks: list, src_of: Sequence[int | None], dst_of: Sequence[int | None],
           live: np.ndarray) -> int:
     """Bytes kept in place when process ``p`` goes from old rank ``src_of[p]`` to ``dst_of[p]``."""
-    where = {}
-    for b, block in enumerate(blocks):
-        cols = {int(s): j for j, s in enumerate(block.sources.tolist())}
-        for i, t in enumerate(block.targets.tolist()):
-            where[t] = (b, i, cols)
-    kept = 0
-    for old, new in zip(src_of, dst_of):
-        if old is None or new is None or not live[old] or new not in where:
-            continue
-        b, i, cols = where[new]
-        if old in cols:
-            kept += int(blocks[b].weight[i, cols[old]])
-    return kept
+    pairs = [(old, new) for old, new in zip(src_of, dst_of) if old is not None and new is not None]
+    if not pairs or not blocks:
+        return 0
+    old, new = (np.array(x, dtype=np.int64) for x in zip(*pairs))
+    n_t = max(int(new.max()), max(int(b.targets[-1]) for b in blocks)) + 1
+    n_s = len(live)
+    row, col = np.full((2, n_t), -1, dtype=np.int64), np.full((2, n_s), -1, dtype=np.int64)
+    for b, block in enumerate(blocks):  # each target and live source is in one block at most
+        row[0, block.targets], row[1, block.targets] = b, np.arange(len(block.targets))
+        col[0, block.sources], col[1, block.sources] = b, np.arange(len(block.sources))
+    keep = live[old] & (row[0, new] >= 0) & (row[0, new] == col[0, old])
+    old, new = old[keep], new[keep]
+    return sum(int(block.weight[row[1, new[row[0, new] == b]], col[1, old[row[0, new] == b]]].sum())
+               for b, block in enumerate(blocks))

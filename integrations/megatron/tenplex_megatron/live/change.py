@@ -10,8 +10,9 @@
 5. :func:`~tenplex_megatron.live.state.import_state`.
 
 With a :class:`~tenplex_megatron.live.group.Membership` the world may grow
-(the default group is re-formed before the transfer, joiners start empty)
-or shrink (re-formed after it, leavers are parked).
+(the default group is re-formed once, before the transfer, already in the
+renumbered order; joiners start empty) or shrink (re-formed after it, leavers
+are parked).
 """
 
 from __future__ import annotations
@@ -126,18 +127,20 @@ def change(parts: Parts | None, build: Callable[[ParallelConfig], tuple], *, spe
 
 def _moved(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Membership,
            comm, renumber: bool):
-    """The transfer over the transition group, then the new group formed in the new order.
+    """The transfer over the transition group, with the new group formed in the new order.
 
     The transition group is the current group when shrinking (or at one size), else the
     current group's processes in their order followed by the lowest parked ones; transition
-    rank ``r < old.world_size`` holds old rank ``r``. Returns ``(state, report)``, as
-    :func:`transfer` on a process of the transition group, else ``(None, None)``.
+    rank ``r < old.world_size`` holds old rank ``r``. Growing, the transition group is the new
+    group: its numbering is computed first, from what every process knows (the tree, the
+    configs and which process holds which old rank: :func:`_grown`), and the group is formed
+    once, in that order. Otherwise the new group is formed after the transfer, in the order
+    the transfer's renumbering chose. Returns ``(state, report)``, as :func:`transfer` on a
+    process of the transition group, else ``(None, None)``.
     """
     members = list(membership.members) or list(range(old.world_size))
     if new.world_size > old.world_size:
-        extra = [p for p in range(new.world_size + len(members)) if p not in members]
-        members += extra[: new.world_size - old.world_size]
-        membership.form(new.world_size, order=members)
+        return _grown(state, tree, old, new, membership, comm, renumber, members)
     out, report = None, None
     if membership.rank is not None:
         out, report = transfer(state, tree, old, new, renumber=renumber,
@@ -153,6 +156,45 @@ def _moved(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Me
     if order != members:
         membership.form(new.world_size, order=order)
     return out, report
+
+
+def _grown(state, tree, old: ParallelConfig, new: ParallelConfig, membership: Membership, comm,
+           renumber: bool, members: list):
+    """A growing change: the new group formed once, in the numbering that keeps the most bytes.
+
+    Transition process ``t`` (``members`` and then the lowest parked processes) holds old rank
+    ``t`` if ``t < old.world_size``; :func:`~tenplex.transform.assign.best_numbering` gives
+    each its new rank, as ``tenplex.reconfigure``'s renumbering would (the same inputs: all
+    old ranks live, the contiguous numbering kept where it keeps as many bytes). The group is
+    formed in that order and the transfer runs with ``src_of`` and ``dst_of`` given, both
+    from the numbering alone (a process that has not joined before, which does not know the
+    old group, takes the order from process 0's announcement and computes the same
+    ``src_of``). The report's ``dst_of`` and ``placement_bound`` are the numbering's, over the
+    transition processes, as a renumbering transfer reports them.
+    """
+    import dataclasses
+
+    from tenplex.transform.assign import best_numbering
+
+    extra = [p for p in range(new.world_size + len(members)) if p not in members]
+    members = members + extra[: new.world_size - old.world_size]
+    numbering, bound = list(range(new.world_size)), None
+    if renumber:
+        numbering, bound = best_numbering(
+            tree, old, new, [t if t < old.world_size else None for t in range(new.world_size)],
+            range(old.world_size), given=numbering)
+    order = [None] * new.world_size
+    src_of = [None] * new.world_size  # per rank of the new group, the old rank its process holds
+    for t, rank in enumerate(numbering):
+        order[rank] = members[t]
+        src_of[rank] = t if t < old.world_size else None
+    if not membership.form(new.world_size, order=order):
+        # parked: the report comes from the store, once this process knows the groups
+        return (None, None) if membership.generation is None else (None, _shared(membership, None))
+    out, report = transfer(state, tree, old, new, src_of=src_of, dst_of=list(range(new.world_size)),
+                           renumber=False, **({"comm": comm()} if comm else {}))
+    report = dataclasses.replace(report, dst_of=numbering, placement_bound=bound)
+    return out, _shared(membership, report)
 
 
 def _shared(membership: Membership, report):

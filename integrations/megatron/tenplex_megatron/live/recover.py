@@ -125,12 +125,12 @@ def rebuild_after_failure(state: dict | None, build: Callable[[ParallelConfig], 
     held = state is not None and old_process < config.world_size and old_process not in lost
     alive = {r for r in _gather(old_process if held else None) if r is not None}
     steps = {s for s in _gather(state["optimizer/step"] if held else None) if s is not None}
-    plan = _plan(tree, config, new, alive, store)
+    needs_store = _needs_store(tree, config, new, alive, store)
     rolled_back, mixed = None, len(steps) > 1
     if mixed and store is None:
         raise ShardError(f"the survivors hold states of different steps {sorted(steps)} and there is no "
                          "checkpoint to go back to (see 'one step' in tenplex_megatron.live.recover)")
-    if mixed or (plan.totals.store and _stored_step(store) not in steps):
+    if mixed or (needs_store and _stored_step(store) not in steps):
         rolled_back = _stored_step(store)
         state = tenplex.load(store, new, membership.process) if membership.process < new.world_size else None
         report = None
@@ -165,10 +165,32 @@ def _renumber(membership: Membership, config: ParallelConfig, new: ParallelConfi
     return old, max(config.world_size - len(gone), new.world_size)
 
 
-def _plan(tree, config, new, alive, store):
-    from tenplex.transform.planner import make_plan
+def _needs_store(tree, config, new, alive, store) -> bool:
+    """Whether the survivors (old ranks ``alive``) miss bytes of the new state, which the
+    checkpoint must then fill; checked on holder classes, without planning the whole world
+    (:func:`~tenplex.transform.weights.first_uncovered`): ``tenplex.recover`` plans each
+    process's own part.
 
-    return make_plan(tree, config, new, alive=alive, store_fallback=store is not None)
+    Raises:
+        MissingDataError: bytes are missing and there is no ``store``; on every process alike,
+            naming every missing region (the planner's message: only this error path plans).
+    """
+    import numpy as np
+
+    from tenplex.errors import MissingDataError
+    from tenplex.transform.planner import make_plan
+    from tenplex.transform.weights import first_uncovered
+
+    mask = np.zeros(config.world_size + 1, dtype=bool)
+    mask[sorted(alive)] = True
+    hole = first_uncovered(tree, config, new, mask)
+    if hole is None:
+        return False
+    if store is None:
+        make_plan(tree, config, new, alive=alive)  # raises the planner's MissingDataError
+        raise MissingDataError(f"rebuild_after_failure: no survivor holds part of {hole} and there is "
+                               "no checkpoint", {hole: []})
+    return True
 
 
 def _from_replicas(state, tree, config, new, lost, store, old_rank):
