@@ -62,7 +62,7 @@ from tenplex.transform.template import (HOST, LOCAL, NETWORK, STORE, Choice, Dev
 
 __all__ = ["make_plan", "deal", "RULES"]
 
-RULES = "tenplex.planner/2"
+RULES = "tenplex.planner/3"
 """The version of the planner's rules (source choice, op order); change it with them.
 Processes that plan their own parts compare it (:mod:`tenplex.transform.parts`)."""
 

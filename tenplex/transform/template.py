@@ -273,10 +273,14 @@ class TemplateMaker:
         if geometry_t0.dst_classes:
             ranks = np.concatenate([r for r, _ in geometry_t0.dst_classes])
             prefer = np.concatenate(rows.prefer)
-            shifts = np.arange(1, degree)[:, None]
+            shifts = np.arange(degree)[:, None]
             own = self.devices.src_on_device[ranks[None, :] + shifts * dst_stride]
-            back = np.where(self._src_axis_coord(axis)[own] == shifts, own - shifts * src_stride,
-                            world)
+            coord = self._src_axis_coord(axis)[own]
+            if ((own != world) & (coord != shifts)).any():
+                # a source of another split rank on a target's device: an untiled plan groups the
+                # target with those beside the same pool, which split rank 0's picture cannot see
+                return None
+            back = np.where(coord == shifts, own - shifts * src_stride, world)
             if not np.array_equal(geometry_t0.class_of_src[back], np.broadcast_to(prefer, back.shape)):
                 return None
         t0 = self._segment_table(segs, geometry_t0.pool_boxes)

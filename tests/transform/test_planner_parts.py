@@ -162,3 +162,27 @@ def test_a_small_group_plans_whole_and_a_large_one_its_part_with_the_same_ops(sr
             totals.append(t)
         sums[whole_up_to] = {f: sum(getattr(t, f) for t in totals) for f in ("needed", "local", "lower_bound")}
     assert sums[0] == sums[n]
+
+
+
+@pytest.mark.parametrize("ranks", [[2], [4], [2, 4]])
+def test_tiled_leaves_deal_sources_as_their_own_rank_plans_do(ranks):
+    """A tp-split leaf is planned for tp rank 0 and tiled over tp ranks only where that is exact.
+
+    Here target ranks 0 and 4 (tp 0) run on the devices of source ranks 1 and 5 (tp 1) and rank 2
+    on a new host: a tp-0 plan saw no own-device source for any of them, so it dealt the three
+    one position each, where the plan of their own ranks (and an untiled whole plan) groups 0
+    and 4 by the source on their devices: the parts chose other senders than the whole plan.
+    """
+    tree = gpt_tree(GPTSpec(num_layers=1, hidden=8, heads=2, query_groups=2, ffn=16, vocab=16,
+                            seq_len=4))
+    a = b = P(dp=3, tp=2)
+    src_pl = Placement.contiguous(6, per_host=2)  # h0: ranks 0, 1; h1: 2, 3; h2: 4, 5
+    d = src_pl.devices
+    dst_pl = Placement((d[1], d[0], Device("new", 0), Device("new", 1), d[5], d[4]))
+    kw = dict(src_placement=src_pl, dst_placement=dst_pl)
+    whole = make_plan(tree, a, b, **kw)
+    part = make_plan(tree, a, b, ranks=ranks, **kw)
+    want = _selected(whole, ranks, [])
+    for k in OpTable.COLUMNS:
+        assert np.array_equal(part.table.cols[k], want[k]), k
