@@ -6,7 +6,8 @@ of the byte runs its ops need (offsets from the stored tensor's first byte;
 see :meth:`ShardSource.read`), and the ops
 copy their regions into target tensors (fresh ones, or with ``reuse``
 buffers that no tensor refers to any more: :mod:`tenplex.store.buffers`).
-Reads of different stored tensors run on a thread pool.
+Reads of different stored tensors run on a thread pool (a leaf's last one in the
+calling thread).
 """
 
 from __future__ import annotations
