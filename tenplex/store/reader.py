@@ -73,7 +73,8 @@ class StoreReader:
         requests: read requests made so far.
         cache_blocks: boundary blocks kept for the next read: of a block that a tensor (or range)
             read shares with its neighbours, the verified bytes outside that tensor, copied
-            (at most one block each).
+            (at most one block each); four per shard file (a head and a tail for each of the two
+            leaves a reshard builds at once), 16 to 64.
         host_cache: a :class:`~tenplex.store.hostcache.HostBlockCache` whose edge
             blocks other processes of this host share (None: no sharing).
         buffers: a :class:`~tenplex.store.buffers.BufferPool` read buffers come from
@@ -91,7 +92,7 @@ class StoreReader:
         self.sharding = self.manifest.sharding or Sharding(self.tree, self.config)
         self.bytes_read = 0
         self.requests = 0
-        self.cache_blocks = 16
+        self.cache_blocks = min(64, max(16, 4 * len(self.manifest.files)))
         self.host_cache = None
         self.buffers = None
         self._lock = threading.Lock()
