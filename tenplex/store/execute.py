@@ -201,6 +201,8 @@ class StorePlanRunner:
 
 
 def _union_bytes(starts: np.ndarray, ends: np.ndarray) -> int:
+    if len(starts) == 1:  # a whole tensor, or one run of it: most reads
+        return int(ends[0] - starts[0])
     order = np.argsort(starts, kind="stable")
     s, e = starts[order], ends[order]
     reach = np.maximum.accumulate(e)
