@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+# numpy 2's np.unique imports numpy.ma at its first call (15-30 ms), which a reshard's planner
+# would pay mid-run; imported here, it is part of importing the library, as torch is
+import numpy.ma  # noqa: F401
 import torch
 from tqdm import tqdm
 

@@ -93,11 +93,21 @@ def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: i
     if int(starts.min()) < 0 or int(ends.max()) > nblocks * block:
         raise IndexError(f"byte runs [{int(starts.min())}, {int(ends.max())}) outside a file of "
                          f"{nblocks} blocks of {block} bytes")
-    # +1 where a run's first block is, -1 after its last: a block is needed where the sum is > 0
-    # (bincount, not ``np.add.at``: the same counts, ~20x faster on the thousands of runs of a column cut)
-    marks = (np.bincount(starts // block, minlength=nblocks + 1)
-             - np.bincount((ends - 1) // block + 1, minlength=nblocks + 1))
-    return np.nonzero(np.cumsum(marks[:nblocks]) > 0)[0]
+    # each run's blocks are [first, last]: sort by first, merge overlapping ones, then list them.
+    # The cost follows the runs and the blocks they touch, not the file's size (a count over
+    # every block of the file cost 0.4 ms per read of a 100 GiB file in 1 MiB blocks)
+    first, last = starts // block, (ends - 1) // block
+    if len(first) > 1:
+        order = np.argsort(first, kind="stable")
+        first, last = first[order], last[order]
+        reach = np.maximum.accumulate(last)
+        new = np.ones(len(first), dtype=bool)
+        new[1:] = first[1:] > reach[:-1]
+        heads = np.flatnonzero(new)
+        first, last = first[heads], np.maximum.reduceat(last, heads)
+    counts = last - first + 1
+    offsets = np.repeat(first - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) + offsets
 
 
 def coalesce(blocks: np.ndarray, max_gap: int = 0) -> list[tuple[int, int]]:

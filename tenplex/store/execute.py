@@ -6,7 +6,8 @@ of the byte runs its ops need (offsets from the stored tensor's first byte;
 see :meth:`ShardSource.read`), and the ops
 copy their regions into target tensors (fresh ones, or with ``reuse``
 buffers that no tensor refers to any more: :mod:`tenplex.store.buffers`).
-Reads of different stored tensors run on a thread pool.
+Reads of different stored tensors run on a thread pool (a leaf's last one in the
+calling thread).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class _Op:
     region: Box
     src_piece: int
     dst_piece: int
+    piece: object = None  # the source piece (a :class:`~tenplex.ptree.sharding.Piece`), looked up once
 
 
 class StorePlanRunner:
@@ -113,15 +115,20 @@ class StorePlanRunner:
                 held[rank] = h
         ops_of = defaultdict(list)
         by_record = defaultdict(list)
+        holding = {}
         for op in self._rows(path, set(held)):
             ops_of[op.dst].append(op)
             if op.src >= 0:
+                h = holding.get(op.src)
+                if h is None:
+                    h = holding[op.src] = self.S.holding(path, self.plan.src.coord(op.src))
+                op.piece = h.pieces[op.src_piece]
                 by_record[self.reader.record(path, op.src)].append(op)
-        jobs = [self.pool.submit(self._read, path, rec, ops, leaf.itemsize)
-                for rec, ops in by_record.items()]
+        items = list(by_record.items())  # the last stored tensor is read here: one thread hand-off less
+        jobs = [self.pool.submit(self._read, rec, ops, leaf.itemsize) for rec, ops in items[:-1]]
+        done = [self._read(rec, ops, leaf.itemsize) for rec, ops in items[-1:]]
         sources = {}
-        for job in jobs:
-            source, ops = job.result()
+        for source, ops in [job.result() for job in jobs] + done:
             for op in ops:
                 sources[id(op)] = source
         out = {}
@@ -137,7 +144,7 @@ class StorePlanRunner:
                 if op.src < 0:
                     tview.zero_()
                 else:
-                    tview.copy_(self._view(sources[id(op)], self._src_piece(path, op), op.region))
+                    tview.copy_(self._view(sources[id(op)], op.piece, op.region))
         return out
 
     def _empty(self, shape, numel: int, dtype, itemsize: int) -> torch.Tensor:
@@ -160,7 +167,7 @@ class StorePlanRunner:
             local = Box(tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets)), rel.sizes)
             if not is_contiguous(local, piece.view):
                 return None
-            view = self._view(sources[id(op)], self._src_piece(path, op), op.region)
+            view = self._view(sources[id(op)], op.piece, op.region)
             if not view.is_contiguous():
                 return None
             placed.append((piece.offset + flat_start(local, piece.view), view))
@@ -172,17 +179,14 @@ class StorePlanRunner:
             position += view.numel()
         return [view for _, view in placed] if position == held.numel else None
 
-    def _src_piece(self, path, op):
-        return self.S.holding(path, self.plan.src.coord(op.src)).pieces[op.src_piece]
-
     @staticmethod
     def _view(local: torch.Tensor, piece, region: Box) -> torch.Tensor:
         return piece_view(local, piece)[to_slices(relative(region, piece.box))]
 
-    def _read(self, path, rec, ops, itemsize):
+    def _read(self, rec, ops, itemsize):
         starts, lengths = [], []
         for op in ops:
-            piece = self.S.holding(path, self.plan.src.coord(op.src)).pieces[op.src_piece]
+            piece = op.piece
             rel = relative(op.region, piece.box)
             offs = tuple(l + r for l, r in zip(piece.local.offsets, rel.offsets))
             s, n = box_runs(piece.view, offs, op.region.sizes, piece.offset)
@@ -197,6 +201,8 @@ class StorePlanRunner:
 
 
 def _union_bytes(starts: np.ndarray, ends: np.ndarray) -> int:
+    if len(starts) == 1:  # a whole tensor, or one run of it: most reads
+        return int(ends[0] - starts[0])
     order = np.argsort(starts, kind="stable")
     s, e = starts[order], ends[order]
     reach = np.maximum.accumulate(e)

@@ -116,6 +116,8 @@ def _no_floats(obj: Any, field: str) -> None:
     readers' ``int(...)`` would truncate ``1.5`` to 1 and fail on ``1e400`` (infinity)
     with an ``OverflowError``.
     """
+    if not _has_float(obj):  # the common case, without a field name per item
+        return
     stack = [(obj, field)]
     while stack:
         item, at = stack.pop()
@@ -125,6 +127,19 @@ def _no_floats(obj: Any, field: str) -> None:
             stack.extend((v, f"{at}.{str(k)[:40]}") for k, v in item.items())
         elif isinstance(item, list):
             stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+
+
+def _has_float(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _tree(obj: Any, where: str) -> PTree:
@@ -197,8 +212,12 @@ def _tensors(obj: Any, sharding: Sharding, files: dict[str, FileRecord],
 def _tensor(item: Any, field: str, shapes: dict, tree: PTree, files: dict) -> TensorRecord:
     if not isinstance(item, dict):
         raise ManifestError(f"{field}: expected an object, found {type(item).__name__}")
-    try:
-        path, key = check_path(item.get("path")), check_path(item.get("file"))
+    path, key = item.get("path"), item.get("file")
+    try:  # a file key or leaf path seen already (checked when files and the tree were) is not checked again
+        if not (isinstance(key, str) and key in files):
+            check_path(key)
+        if not (isinstance(path, str) and path in tree.leaves):
+            check_path(path)
     except PathError as exc:
         raise ManifestError(f"{field}: {exc}") from None
     rank = _count(item.get("rank"), f"{field}.rank")

@@ -24,12 +24,11 @@ from tenplex.store.manifest_parse import MAX_MANIFEST, parse_manifest
 from tenplex.store.safetensors_format import check_header, header_length, parse_header
 from tenplex.store.url import StoreRoot, translate_errors
 
-__all__ = ["StoreReader", "open_manifest"]
+__all__ = ["StoreReader", "open_manifest", "OPEN_FILES"]
 
-VIEW_SPAN = 8 << 20
-"""A read buffer up to this size (8 MiB) stays alive while its boundary blocks are cached (views,
-no copy); the boundary blocks of a larger one are copied (a copy of 1 MiB per MiB read cost a
-third of a reshard's CPU time when each tensor held a few MiB)."""
+OPEN_FILES = 16
+"""Local shard files a reader keeps open between reads."""
+
 
 
 def open_manifest(root: StoreRoot) -> Manifest:
@@ -72,7 +71,10 @@ class StoreReader:
         sharding: the stored layout.
         bytes_read: bytes fetched from shard files so far (thread-safe).
         requests: read requests made so far.
-        cache_blocks: boundary blocks kept for the next read (one block each).
+        cache_blocks: boundary blocks kept for the next read: of a block that a tensor (or range)
+            read shares with its neighbours, the verified bytes outside that tensor, copied
+            (at most one block each); four per shard file (a head and a tail for each of the two
+            leaves a reshard builds at once), 16 to 64.
         host_cache: a :class:`~tenplex.store.hostcache.HostBlockCache` whose edge
             blocks other processes of this host share (None: no sharing).
         buffers: a :class:`~tenplex.store.buffers.BufferPool` read buffers come from
@@ -90,7 +92,7 @@ class StoreReader:
         self.sharding = self.manifest.sharding or Sharding(self.tree, self.config)
         self.bytes_read = 0
         self.requests = 0
-        self.cache_blocks = 64
+        self.cache_blocks = min(64, max(16, 4 * len(self.manifest.files)))
         self.host_cache = None
         self.buffers = None
         self._lock = threading.Lock()
@@ -98,6 +100,7 @@ class StoreReader:
         self._check_locks: dict[str, threading.Lock] = {}
         self._cache: OrderedDict = OrderedDict()
         self._file_locks: dict[str, threading.Lock] = {}
+        self._handles: OrderedDict = OrderedDict()
         self._first_rank: dict[str, dict[int, int]] = {}
         self._by_file: dict[str, list[TensorRecord]] | None = None
 
@@ -216,11 +219,11 @@ class StoreReader:
 
         ``span`` holds file bytes from ``span_start``: all of ``[lo, hi)`` (the tensor or the
         range asked for) and every block fetched now, whole (a block is verified whole).
-        A cached boundary block (verified when fetched) is copied in only where it meets
-        ``[lo, hi)``, so a small tensor inside a cached block costs a copy of its own bytes,
-        not of the block. The others are read straight into ``span`` (``readinto`` on local
-        files). Fetches from one file are serialized (files are read in parallel), so two
-        neighbouring tensors never fetch their shared boundary block twice.
+        A block whose bytes inside ``[lo, hi)`` a cached boundary piece holds (verified when
+        fetched) is copied in from there, only where it meets ``[lo, hi)``, so a small tensor
+        inside a cached block costs a copy of its own bytes. The others are read straight into
+        ``span`` (``readinto`` on local files). Fetches from one file are serialized (files are
+        read in parallel), so two neighbouring tensors never fetch their shared boundary block twice.
         """
         with self._lock:
             file_lock = self._file_locks.setdefault(key, threading.Lock())
@@ -228,15 +231,17 @@ class StoreReader:
             missing, cached = [], []
             with self._lock:
                 for b in blocks.tolist():
-                    data = self._cache.get((key, b))
-                    if data is not None:
+                    a, e = max(b * frec.block, lo), min((b + 1) * frec.block, frec.size, hi)
+                    piece = self._cache.get((key, b))
+                    if piece is not None and piece[0] <= a and e <= piece[0] + len(piece[1]):
                         self._cache.move_to_end((key, b))
                     else:
                         data = self._shared(key, frec, b)
-                    if data is None:
+                        piece = None if data is None else (b * frec.block, data)
+                    if piece is None:
                         missing.append(b)
                     else:
-                        cached.append((b, data))
+                        cached.append((a, e, piece))
             span_start, span_end = lo, hi
             if missing:  # the buffer covers the tensor and every block fetched: the first may
                 # start before the tensor's first byte, and the last may end past its end
@@ -244,15 +249,12 @@ class StoreReader:
                 span_end = max(hi, min((missing[-1] + 1) * frec.block, frec.size))
             n = span_end - span_start
             span = np.empty(n, dtype=np.uint8) if self.buffers is None else self.buffers.take(n)
-            for b, data in cached:
-                a = max(b * frec.block, span_start)
-                e = min(b * frec.block + len(data), span_end)
+            for a, e, (p, data) in cached:
                 if e > a:
-                    span[a - span_start: e - span_start] = np.frombuffer(
-                        data, dtype=np.uint8)[a - b * frec.block: e - b * frec.block]
+                    span[a - span_start: e - span_start] = np.frombuffer(data, dtype=np.uint8)[a - p: e - p]
             runs = coalesce(np.asarray(missing, dtype=np.int64), MERGE_GAP // frec.block)
             if runs:
-                self._fetch(key, frec, runs, span, span_start)
+                self._fetch(key, frec, runs, span, span_start, lo, hi)
         return span, span_start
 
     def _shared(self, key: str, frec, index: int) -> bytes | None:
@@ -267,19 +269,26 @@ class StoreReader:
         host.bytes_shared += len(data)
         return data
 
-    def _fetch(self, key: str, frec, runs, span: np.ndarray, span_start: int) -> None:
-        """Read block runs ``[(first, last + 1)]`` into ``span``, one request each; verify every block."""
+    def _fetch(self, key: str, frec, runs, span: np.ndarray, span_start: int, lo: int, hi: int) -> None:
+        """Read block runs ``[(first, last + 1)]`` into ``span``, one request each; verify every block.
+
+        Of each run's first and last block, the verified bytes outside ``[lo, hi)`` (what the
+        neighbouring tensors need) are copied to the boundary cache: a copy, not a view, so that
+        ``span`` is free for reuse as soon as its tensor is written (views kept every read buffer
+        of the last 64 reads alive, so a :class:`~tenplex.store.buffers.BufferPool` handed out
+        fresh, page-faulting ones: half the bytes of a reshard).
+        """
         starts = [a * frec.block for a, _ in runs]
         ends = [min(b * frec.block, frec.size) for _, b in runs]
         where = f"{self.root}/{key}"
         with translate_errors(where):
             try:
                 if self.root.local:  # a local file: read straight into place
-                    with self.root.open_read(key, where) as f:
-                        for a, b in zip(starts, ends):
-                            f.seek(a)
-                            got = f.readinto(memoryview(span)[a - span_start: b - span_start])
-                            _check_length(where, a, b, got)
+                    f = self._handle(key, where)
+                    for a, b in zip(starts, ends):
+                        f.seek(a)
+                        got = f.readinto(memoryview(span)[a - span_start: b - span_start])
+                        _check_length(where, a, b, got)
                 else:
                     chunks = self.root.fs.cat_ranges([self.root.key(key)] * len(runs), starts, ends,
                                                      on_error="raise")
@@ -295,14 +304,16 @@ class StoreReader:
                 actual = digest(view[a: min(a + frec.block, frec.size - span_start)])
                 if actual != frec.digests[index]:
                     raise self.mismatch(key, index, actual)
+        keep = []  # boundary blocks are likely shared with the next tensor
+        for first, last in runs:
+            for index in {first, last - 1}:
+                piece = self._outside(index * frec.block, min((index + 1) * frec.block, frec.size), lo, hi)
+                if piece is not None:
+                    keep.append(((key, index), (piece[0], self._copy(view, piece, span_start))))
         with self._lock:
             self.bytes_read += sum(b - a for a, b in zip(starts, ends))
             self.requests += len(runs)
-            keep = bytes if span.nbytes > VIEW_SPAN else (lambda v: v)  # a view keeps ``span`` alive
-            for first, last in runs:  # boundary blocks are likely shared with the next tensor
-                for index in {first, last - 1}:
-                    a = index * frec.block - span_start
-                    self._cache[(key, index)] = keep(view[a: min(a + frec.block, frec.size - span_start)])
+            self._cache.update(keep)
             while len(self._cache) > self.cache_blocks:
                 self._cache.popitem(last=False)
         if self.host_cache is not None:  # leave edge blocks for this host's other processes
@@ -311,6 +322,61 @@ class StoreReader:
                     if self.host_cache.wanted(key, index):
                         a = index * frec.block - span_start
                         self.host_cache.put(key, index, view[a: min(a + frec.block, frec.size - span_start)])
+
+    def _handle(self, key: str, where: str):
+        """An open handle of local shard file ``key`` (the caller holds the file's lock).
+
+        At most :data:`OPEN_FILES` stay open (least recently used first out; a handle another
+        thread is reading stays), so a store of many files never runs out of descriptors, and a
+        reshard opens each file once, not once per read (the path checks cost 86 us per open).
+        """
+        with self._lock:
+            f = self._handles.get(key)
+            if f is not None:
+                self._handles.move_to_end(key)
+                return f
+        f = self.root.open_read(key, where)
+        with self._lock:
+            self._handles[key] = f
+            for victim in list(self._handles):
+                if len(self._handles) <= OPEN_FILES:
+                    break
+                lock = self._file_locks.get(victim)
+                if victim != key and lock is not None and lock.acquire(blocking=False):
+                    try:
+                        self._handles.pop(victim).close()
+                    finally:
+                        lock.release()
+        return f
+
+    def close(self) -> None:
+        """Close the shard files kept open (a later read opens them again)."""
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), OrderedDict()
+        for f in handles:
+            f.close()
+
+    @staticmethod
+    def _outside(a: int, e: int, lo: int, hi: int) -> tuple[int, int] | None:
+        """The part of block ``[a, e)`` that other tensors than ``[lo, hi)`` may need, or None.
+
+        One range: the bytes after ``hi``, or before ``lo``, or the whole block if ``[lo, hi)``
+        lies strictly inside it; None for a block inside ``[lo, hi)``.
+        """
+        before, after = a < lo, hi < e
+        if before and after:
+            return a, e
+        if after:
+            return hi, e
+        if before:
+            return a, lo
+        return None
+
+    def _copy(self, view: memoryview, piece: tuple[int, int], span_start: int) -> np.ndarray:
+        a, e = piece
+        out = np.empty(e - a, np.uint8) if self.buffers is None else self.buffers.take(e - a)
+        out[:] = np.frombuffer(view[a - span_start: e - span_start], np.uint8)
+        return out
 
     def mismatch(self, key: str, index: int, actual: str) -> CorruptShardError:
         """The error for block ``index`` of file ``key`` whose digest is ``actual``."""

@@ -57,4 +57,8 @@ def _write_group(runner, writer, paths: list[str], storing: dict, threads: int) 
             if i + 2 < len(paths):
                 nxt = paths[i + 2]
                 futures[i + 2] = builder.submit(runner.leaf, nxt, storing[nxt])
-            list(io.map(lambda item: writer.write(item[0], path, item[1]), sorted(tensors.items())))
+            items = sorted(tensors.items())
+            if len(items) == 1:  # one file to write: here, not on the pool (a thread hand-off less)
+                writer.write(items[0][0], path, items[0][1])
+            else:
+                list(io.map(lambda item: writer.write(item[0], path, item[1]), items))

@@ -57,3 +57,34 @@ def test_a_small_tensor_inside_a_cached_block_is_copied_alone(tmp_path, monkeypa
             assert sizes and max(sizes) <= rec.nbytes, (rec.path, rec.nbytes, sizes)
     assert inside >= 3
     assert reader.bytes_read <= reader.manifest.files[recs[0].file].size  # no block fetched twice
+
+
+def test_a_read_buffer_is_free_again_once_its_tensor_is_dropped(tmp_path):
+    """The boundary cache keeps copies of the bytes outside a tensor, not views of the read buffer
+    (views kept the last reads' buffers alive: the pool handed out fresh, page-faulting ones),
+    and the neighbour is still served from it: no block is fetched twice."""
+    from tenplex.ptree.config import ParallelConfig
+    from tenplex.store.reader import StoreReader
+    from tenplex.store.writer import save
+
+    from .helpers import SPEC, state_of
+    config = ParallelConfig(dp=1, tp=1, pp=1)
+    tree, _, shards = state_of(SPEC, config, 0)
+    save(str(tmp_path / "ck"), tree, config, shards, block=1 << 12)
+    reader = StoreReader(str(tmp_path / "ck"))
+    reader.buffers = pool = BufferPool()
+    recs = sorted(reader.manifest.tensors.values(), key=lambda r: r.offset)
+    big = [(a, b) for a, b in zip(recs, recs[1:]) if a.nbytes >= POOLED_MIN and (a.offset + a.nbytes) % (1 << 12)]
+    assert big, "the test store needs a tensor of 256 KiB or more that ends inside a block"
+    rec, neighbour = big[0]
+    tensor = reader.read(rec)
+    address = tensor.data_ptr()
+    fetched = reader.bytes_read
+    del tensor
+    again = pool.take(rec.nbytes + (1 << 13))  # the size class of its read buffer
+    assert again.ctypes.data <= address < again.ctypes.data + len(again)
+    del again
+    got = reader.read(neighbour)
+    assert reader.bytes_read - fetched <= neighbour.nbytes + (1 << 12)  # its first block came from the cache
+    expected = StoreReader(str(tmp_path / "ck")).read(neighbour)
+    assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
