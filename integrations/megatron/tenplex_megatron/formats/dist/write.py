@@ -173,8 +173,10 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         writers = [r for r in range(to.world_size)  # the others hold replicas only (replica_id > 0)
                    if to.coord(r).dense_dp_first or to.coord(r).edp == 0]
         mine = set(writers) if part is None else part_ranks(build, writers, part)
-        # a part reads the values (RNG states) of its own files only; common.pt needs global ones
-        values = TargetValues(build.values, cfg, to) if part is None else part_values(build, cfg, to, mine)
+        # a part reads the values of its own files only: global ones (common.pt) and the RNG
+        # states its dense ranks write
+        values = TargetValues(build.values, cfg, to) if part is None else part_values(
+            build, cfg, to, [r for r in mine if to.coord(r).dense_dp_first])
         values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
         if names == "te" and optim == "dp_reshardable":
             raise ConfigError("dp_reshardable optimizer buffers with TransformerEngine names: their order "
