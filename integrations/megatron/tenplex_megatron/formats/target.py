@@ -255,8 +255,6 @@ def stored_rng(build: TargetBuilder) -> dict:
     order, as :attr:`TargetBuilder.values` would hold it; a legacy source's states are not read (their
     tensors as meta tensors of the stored shapes: a pickle already read says them), another's are
     (a torch_dist source's byte objects; a store's manifest)."""
-    from tenplex_megatron.formats.legacy.read import LegacySource
-
     if RNG not in dict(build.tree.values()):
         return {}
     leaf, plan = build.tree[RNG], build.plan
@@ -265,11 +263,12 @@ def stored_rng(build: TargetBuilder) -> dict:
         if op.path == RNG:
             found[leaf.key(plan.dst, op.dst_rank)] = op.src_rank
     source, out = build.source, {}
+    refs = getattr(source, "rng_refs", None)  # a legacy source's states as stored (LegacySource.rng_refs)
     for key, src_rank in found.items():
         if src_rank < 0:
             out[key] = None
-        elif isinstance(source, LegacySource):
-            out[key] = _as_meta(source.rng_refs.get(leaf.key(plan.src, src_rank)))
+        elif isinstance(refs, dict):
+            out[key] = _as_meta(refs.get(leaf.key(plan.src, src_rank)))
         else:
             out[key] = from_jsonable(source.value(RNG, leaf.key(plan.src, src_rank)))
     return out
