@@ -9,6 +9,7 @@ a tenplex store, or a Megatron checkpoint read in place.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -18,13 +19,19 @@ import torch
 
 from tenplex.errors import ManifestError
 from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.tree import Scope
 from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.transform.planner import make_plan
 
+from tenplex_megatron.formats.common import TargetValues
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import check_attention_tp
+from tenplex_megatron.torchfiles.jsonable import from_jsonable
+from tenplex_megatron.torchfiles.ptfile import TensorRef
 
-__all__ = ["TargetBuilder", "megatron_meta", "BUDGET"]
+__all__ = ["TargetBuilder", "PartValues", "part_values", "megatron_meta", "BUDGET"]
+
+RNG = "megatron/rng_state"
 
 BUDGET = 64 << 20
 """Bytes of target tensors a builder works on at once (64 MiB)."""
@@ -67,7 +74,8 @@ class TargetBuilder:
 
     Attributes:
         plan: the plan.
-        values: the target's value leaves (:func:`tenplex.store.execute.target_values`).
+        values: the target's value leaves (:func:`tenplex.store.execute.target_values`), read
+            on first use; a writer of some ranks' files uses :meth:`values_of` instead.
         bytes_written: bytes of tensors handed out so far.
 
     Raises:
@@ -82,13 +90,37 @@ class TargetBuilder:
                               src_sharding=source.sharding)
         check_attention_tp(megatron_meta(source)[0], to.tp)
         self.runner = StorePlanRunner(source, self.plan, self.threads)
-        self.values = target_values(self.tree, self.plan, source)
+        self._values = None
         self._pool = ThreadPoolExecutor(self.threads)
         self.progress, self.built, self._lock = progress, 0, threading.Lock()
         D = self.runner.D
         self.total = sum(h.numel * leaf.itemsize for r in range(to.world_size) if to.coord(r).dp == 0
                          for p, leaf in self.tree.tensors()
                          if (h := D.holding(p, to.coord(r))) is not None) if progress else 0
+
+    @property
+    def values(self) -> dict:
+        if self._values is None:
+            self._values = target_values(self.tree, self.plan, self.source)
+        return self._values
+
+    def values_of(self, ranks) -> dict:
+        """The target's value leaves as :attr:`values` holds them, read for ``ranks`` only: every
+        global leaf (target rank 0's, as :attr:`values`), and of a per-rank or per-coordinate leaf
+        (an RNG state) only the keys of ``ranks``, so a process writing some target files reads
+        the values of those files and no others."""
+        want = sorted(set(ranks))
+        ops = tuple(op for op in self.plan.values if op.dst_rank in want
+                    or (op.dst_rank == 0 and self.tree[op.path].scope is Scope.GLOBAL))
+        per_rank = target_values(self.tree, dataclasses.replace(self.plan, values=ops), self.source,
+                                 ranks=sorted(set(want) | {0}))
+        out: dict = {}
+        for path, leaf in self.tree.values():
+            if leaf.scope is Scope.GLOBAL:
+                out[path] = per_rank[0][path]
+            else:
+                out[path] = {leaf.key(self.plan.dst, r): per_rank[r][path] for r in want}
+        return out
 
     def close(self) -> None:
         self.runner.close()
@@ -172,3 +204,77 @@ class TargetBuilder:
     def rank(self, rank: int, prefix: str = "") -> dict[str, torch.Tensor]:
         """Every local tensor of target ``rank`` under ``prefix``."""
         return dict(self.stream(rank, self.paths(rank, prefix)))
+
+
+class PartValues(TargetValues):
+    """:class:`~tenplex_megatron.formats.common.TargetValues` of some target ranks' files (a write in parts).
+
+    Holds the global values and the RNG states of its own ranks' coordinates
+    (:meth:`TargetBuilder.values_of`); what its derived states, notes and
+    ``had_rng`` depend on beyond those (which other coordinates the source
+    stores, how many dp states each holds, the kind of device generator: see
+    :func:`tenplex_megatron.model.rng.fill_states`) comes from ``stored``, so
+    they are what one process writing every file derives.
+
+    Args:
+        values: :meth:`TargetBuilder.values_of` of the ranks.
+        cfg, config: as :class:`TargetValues`.
+        stored: ``{"tp=T,pp=P": stored state list (tensors as meta tensors) or None}`` for every
+            target coordinate, in target rank order (:func:`stored_rng`).
+    """
+
+    def __init__(self, values: dict, cfg: MegatronConfig, config: ParallelConfig, stored: dict):
+        super().__init__(values, cfg, config)
+        self._stored = stored
+        self.had_rng = any(v is not None for v in stored.values())
+
+    def rng_states(self) -> dict[str, list]:
+        """``{"tp=T,pp=P": [rank states]}`` for this part's coordinates only."""
+        mine = self._rng
+        self._rng = {k: mine[k] if k in mine else v for k, v in self._stored.items()}
+        try:
+            states = super().rng_states()
+        finally:
+            self._rng = mine
+        return {k: v for k, v in states.items() if k in mine}
+
+
+def _as_meta(obj):
+    """``obj`` with every :class:`TensorRef` replaced by a meta tensor of its shape and dtype (nothing read)."""
+    if isinstance(obj, TensorRef):
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, dict):
+        return {k: _as_meta(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_as_meta(v) for v in obj)
+    return obj
+
+
+def stored_rng(build: TargetBuilder) -> dict:
+    """``{"tp=T,pp=P": stored RNG state list or None}`` for every target coordinate, in target rank
+    order, as :attr:`TargetBuilder.values` would hold it; a legacy source's states are not read (their
+    tensors as meta tensors of the stored shapes: a pickle already read says them), another's are
+    (a torch_dist source's byte objects; a store's manifest)."""
+    if RNG not in dict(build.tree.values()):
+        return {}
+    leaf, plan = build.tree[RNG], build.plan
+    found: dict = {}
+    for op in plan.values:
+        if op.path == RNG:
+            found[leaf.key(plan.dst, op.dst_rank)] = op.src_rank
+    source, out = build.source, {}
+    refs = getattr(source, "rng_refs", None)  # a legacy source's states as stored (LegacySource.rng_refs)
+    for key, src_rank in found.items():
+        if src_rank < 0:
+            out[key] = None
+        elif isinstance(refs, dict):
+            out[key] = _as_meta(refs.get(leaf.key(plan.src, src_rank)))
+        else:
+            out[key] = from_jsonable(source.value(RNG, leaf.key(plan.src, src_rank)))
+    return out
+
+
+def part_values(build: TargetBuilder, cfg: MegatronConfig, to: ParallelConfig, ranks) -> TargetValues:
+    """The values a writer of target ``ranks``' files needs (:class:`PartValues`), reading the RNG
+    states of those ranks' coordinates only."""
+    return PartValues(build.values_of(ranks), cfg, to, stored_rng(build))

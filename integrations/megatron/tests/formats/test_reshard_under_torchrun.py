@@ -8,7 +8,8 @@ read at most 1.05 times the bytes one process reads, every byte counted where
 it is read (``count_reads.py``). The same checkpoints
 are resharded to megatron-legacy and megatron-dist targets by four processes
 that write parts and commit once: every file equals the single-process
-output byte for byte, and a SIGKILLed worker leaves nothing visible.
+output byte for byte, the four read at most 1.05 times what one process
+reads, and a SIGKILLed worker leaves nothing visible.
 """
 
 import json
@@ -103,12 +104,16 @@ def _dcp_metadata(folder) -> tuple[dict, dict]:
 @pytest.mark.parametrize("fmt,target", [("legacy", "megatron-dist")])  # dist -> legacy: the kill test's rerun
 def test_four_processes_write_a_megatron_target_byte_for_byte_as_one_process_does(sources, tmp_path, fmt,
                                                                                     target):
-    """Megatron targets under torchrun: each process writes its part, process 0 commits (issue 25)."""
+    """Megatron targets under torchrun: each process writes its part, process 0 commits (issue 25); the
+    four processes read at most 1.05 times what one process reads (each reads the values, RNG states,
+    of its own files only)."""
     src = sources("mha", 2, 2) / fmt
-    single, dst = tmp_path / "single", tmp_path / "dst"
-    reshard(str(src), str(single), ParallelConfig.parse(DST), format=target, threads=2)
+    single, dst, counts = tmp_path / "single", tmp_path / "dst", tmp_path / "counts"
+    counts.mkdir()
+    with counting(src) as one_read:
+        reshard(str(src), str(single), ParallelConfig.parse(DST), format=target, threads=2)
     report = _torchrun(4, ["reshard", str(src), str(dst), "--to", DST, "--format", target, "--json",
-                           "--threads", "2"])
+                           "--threads", "2"], count=(src, counts))
     assert report["format"] == target and len(report["processes"]) == 4
     assert sorted(r for p in report["processes"] for r in p["ranks"]) == [0, 1, 2, 3]
     assert all(len(p["ranks"]) == 1 for p in report["processes"])  # balanced: one stage each
@@ -121,6 +126,13 @@ def test_four_processes_write_a_megatron_target_byte_for_byte_as_one_process_doe
     if target == "megatron-dist":  # the merged DCP index: the same items, chunks and byte ranges
         it = "iter_" + one["latest_checkpointed_iteration.txt"].decode().zfill(7)
         assert _dcp_metadata(dst / it) == _dcp_metadata(single / it)
+    # issue 25's byte goal (as above): each process reads the values (RNG states) of its own files only
+    read = [json.loads((counts / f"{r}.json").read_text()) for r in range(4)]
+    assert one_read.uncounted == 0 and all(r["uncounted"] == 0 for r in read)  # nothing read uncounted
+    total = sum(r["bytes"] for r in read)
+    print(json.dumps({"format": fmt, "target": target, "bytes_read": total, "single_read": one_read.bytes,
+                      "ratio": round(total / one_read.bytes, 4), "per_process": [r["bytes"] for r in read]}))
+    assert total <= 1.05 * one_read.bytes, (total, one_read.bytes, [r["bytes"] for r in read])
 
 
 def test_a_killed_worker_commits_no_megatron_checkpoint_and_a_rerun_succeeds(sources, tmp_path):

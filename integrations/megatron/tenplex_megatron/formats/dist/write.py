@@ -38,7 +38,7 @@ from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rn
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of
-from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
+from tenplex_megatron.formats.target import TargetBuilder, megatron_meta, part_values
 
 __all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir", "write_common", "commit_dist"]
 
@@ -170,7 +170,13 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         raise ConfigError(f"a non-distributed optimizer over {cfg.params_dtype} params: tenplex writes its "
                           "torch_dist state only for fp32 params (no fp32_from_fp16_params); write legacy")
     with TargetBuilder(source, to, threads, progress=progress) as build:
-        values = TargetValues(build.values, cfg, to)
+        writers = [r for r in range(to.world_size)  # the others hold replicas only (replica_id > 0)
+                   if to.coord(r).dense_dp_first or to.coord(r).edp == 0]
+        mine = set(writers) if part is None else part_ranks(build, writers, part)
+        # a part reads the values of its own files only: global ones (common.pt) and the RNG
+        # states its dense ranks write
+        values = TargetValues(build.values, cfg, to) if part is None else part_values(
+            build, cfg, to, [r for r in mine if to.coord(r).dense_dp_first])
         values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
         if names == "te" and optim == "dp_reshardable":
             raise ConfigError("dp_reshardable optimizer buffers with TransformerEngine names: their order "
@@ -181,9 +187,6 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
             values.notes.append("rng: the source stores no RNG state; none is written")
         tmp = temp_dir(path, values.iteration) if part is None else part_folder(path, values.iteration,
                                                                                   part.token)
-        writers = [r for r in range(to.world_size)  # the others hold replicas only (replica_id > 0)
-                   if to.coord(r).dense_dp_first or to.coord(r).edp == 0]
-        mine = set(writers) if part is None else part_ranks(build, writers, part)
         made = []
         try:
             writer, files = DcpWriter(tmp), 0

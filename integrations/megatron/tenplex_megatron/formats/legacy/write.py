@@ -35,7 +35,7 @@ from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.formats.legacy.grid import check_expert_files, legacy_writers, rank_dir_name
 from tenplex_megatron.formats.parts import part_folder, part_ranks, remove_files, seal
 from tenplex_megatron.torchfiles.ptsave import save_streamed
-from tenplex_megatron.formats.target import TargetBuilder, megatron_meta
+from tenplex_megatron.formats.target import TargetBuilder, megatron_meta, part_values
 
 __all__ = ["write_legacy", "legacy_optimizer", "FILES_AT_ONCE"]
 
@@ -107,7 +107,10 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         cfg = type(cfg).from_json({**cfg.to_json(), "moe_grouped_gemm": True})
     scheme = check_names(scheme or meta.get("names") or "local")
     with TargetBuilder(source, to, threads, progress=progress) as build:
-        values = TargetValues(build.values, cfg, to)
+        writers = sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2]))
+        mine = part_ranks(build, [r for _, r in writers], part) if part is not None else None
+        # a part reads the values (RNG states) of its own files only
+        values = TargetValues(build.values, cfg, to) if mine is None else part_values(build, cfg, to, mine)
         values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
         optimizer = legacy_optimizer(meta, values.args) if any(
             p.startswith("optimizer/") for p in source.tree.leaves) else None
@@ -128,8 +131,6 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
                else part_folder(root, values.iteration, part.token))
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states()
-        writers = sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2]))
-        mine = part_ranks(build, [r for _, r in writers], part) if part is not None else None
         jobs, expected, made = [], [], []  # one job per file, in rank order
         try:
             for (t, p, e), rank in writers:
