@@ -283,14 +283,16 @@ def _transition(local_state, tree, src, dst, *, what, group, comm, src_of, dst_o
             check_local_state(what, everyone, labels)
             held = {r for r in src_of if r is not None}
             live = (held if alive is None else set(alive) & held) - set(lost)
+            shardings = (src_sharding, Sharding(tree, dst))  # filled once, used by both calls below
             if renumber:  # the same numbering on every process: from inputs all of them hold
-                dst_of, bound = best_numbering(tree, src, dst, src_of, sorted(live), given=dst_of)
+                dst_of, bound = best_numbering(tree, src, dst, src_of, sorted(live), given=dst_of,
+                                               shardings=shardings)
             src_pl, dst_pl = _placements([g["host"] for g in everyone], src_of, dst_of, src, dst)
         # each process plans the ops that touch it or its peers; all agree on the inputs' digest
         plan, own_totals = plan_own_part(guard, what, tree, src, dst, src_placement=src_pl,
                                          dst_placement=dst_pl, alive=live,
                                          store_fallback=reader is not None, src_of=src_of,
-                                         dst_of=dst_of, shardings=(src_sharding, Sharding(tree, dst)),
+                                         dst_of=dst_of, shardings=shardings,
                                          agreed=tree_hex)
         tensors = None if local_state is None else {p: v for p, v in local_state.items()
                                                     if isinstance(tree.leaves.get(p), TensorLeaf)}

@@ -63,8 +63,8 @@ once per process:
   bytes asked of it. ``shared`` is untrusted input: the format checks every
   field, that every file it names lies inside ``path`` with the size the
   sharing process saw, and that every byte range lies inside its file,
-  and raises ``ManifestError`` otherwise. Values the sharing process read
-  from the files (e.g. RNG states) travel in ``shared``.
+  and raises ``ManifestError`` otherwise. Values kept in the files (e.g.
+  RNG states) travel as byte ranges, read by the process that needs them.
 
 ``options`` are keyword arguments every call accepts and ignores where they
 do not apply: ``model_config`` (a JSON file's path with the model's fields),
