@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 from mcore_helpers import TESTS, logits, torchrun
 
@@ -100,3 +101,37 @@ def test_019_checkpoints_reshard_and_load_in_019(saved, tmp_path):
         want = logits(d / f"{ref}.pt")
         assert (logits(got) - want).abs().max().item() <= 2e-6, cases[i]
         assert (logits(tmp_path / f"fresh{i}.pt") - want).abs().max().item() > 1e-3, cases[i]
+
+
+def test_019_sources_shared_under_torchrun_read_as_opened(saved):
+    """0.19's torch_dist keeps its common state in a DCP byte item, not ``common.pt``: a source that
+    process 0 shares as JSON (``share``, as under torchrun) must rebuild from it, reading nothing
+    but tensor bytes, with every rank's stored tensors and every value the opened source's."""
+    import json
+
+    from count_reads import counting
+    from tenplex.transform.agree import tree_digest
+    from tenplex_megatron.formats.plugin import DIST, LEGACY
+
+    _, d = saved
+    for model in ("dense", "moe"):
+        for kind, fmt in (("legacy", LEGACY), ("dist", DIST)):
+            root = str(d / model / kind)
+            source = fmt.open_source(root)
+            shared = json.loads(json.dumps(fmt.share(source), allow_nan=False))
+            with counting(root) as opened:
+                back = fmt.open_shared(root, shared)
+            assert opened.bytes == 0 and opened.opens == 0 and opened.uncounted == 0, (model, kind)
+            assert tree_digest(back.tree) == tree_digest(source.tree) and back.config == source.config
+            assert back.desc.values == source.desc.values and back.meta == source.meta, (model, kind)
+            config = source.config
+            for path, _ in source.tree.tensors():
+                for r in range(config.world_size):
+                    if source.sharding.holding(path, config.coord(r)) is None:
+                        continue
+                    a, b = source.read(source.record(path, r)), back.read(back.record(path, r))
+                    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), \
+                        (model, kind, path, r)
+            for path, _ in source.tree.values():
+                for key in source.desc.values[path] if path == "megatron/rng_state" else [""]:
+                    assert back.value(path, key) == source.value(path, key), (model, kind, path, key)
