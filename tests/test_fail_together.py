@@ -50,6 +50,12 @@ def _await_fault(tmp_path, case: int, deadline: float) -> dict:
     return fault
 
 
+def _stacks(tmp_path) -> str:
+    """What faulthandler wrote for processes that crashed in C++ (empty files for the others)."""
+    return "\n".join(f"{f.name}:\n{f.read_text()}" for f in sorted(tmp_path.glob("stacks-*.txt"))
+                     if f.stat().st_size)
+
+
 def _check_case(tmp_path, case: int, phase: str, action: str, fault: dict, survivors: list[int]):
     outcomes = {r: _read(tmp_path / str(case) / f"outcome-{r}.json") for r in survivors}
     assert all(o is not None for o in outcomes.values()), (phase, outcomes)
@@ -64,6 +70,7 @@ def _check_case(tmp_path, case: int, phase: str, action: str, fault: dict, survi
     for r, o in outcomes.items():
         assert o["time"] - fault["time"] < TIMEOUT + MARGIN, (phase, r, o, fault)
         assert o["intact"], f"{phase}: process {r}'s old state changed"
+        assert not o["threads"], f"{phase}: process {r} left {o['threads']} running"
     return message
 
 
@@ -81,7 +88,7 @@ def test_raise_at_each_phase_fails_every_process_together(tmp_path):
         for p in procs:
             if p.is_alive():
                 p.kill()
-    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0], _stacks(tmp_path)
     for case, phase in enumerate(PHASES):
         fault = _read(tmp_path / str(case) / "fault.json")
         _check_case(tmp_path, case, phase, "raise", fault, [0, 1, 2, 3])
@@ -101,7 +108,7 @@ def _kill_case(tmp_path, victim: int, phase: str):
                 p.kill()
     survivors = [r for r in range(4) if r != victim]
     assert procs[victim].exitcode == -signal.SIGKILL
-    assert all(procs[r].exitcode == 0 for r in survivors), [p.exitcode for p in procs]
+    assert all(procs[r].exitcode == 0 for r in survivors), ([p.exitcode for p in procs], _stacks(tmp_path))
     return _check_case(tmp_path, 0, phase, "kill", fault, survivors)
 
 

@@ -70,6 +70,9 @@ LINGER = 10.0
 WAIT_SLICE = 0.5
 """Seconds one blocking store wait lasts at most before control returns to Python (signals)."""
 
+WAITER_EXIT = 5.0
+"""Seconds a transfer's end waits, at most, for its helper thread to leave a wait that failed."""
+
 GATHERS = ("inputs", "agree", "confirm", "cleared", "written", "committed")
 """Every gather name a guarded transfer may use (a published failure releases all of them)."""
 
@@ -148,7 +151,7 @@ class TransferGuard:
         until all have, for at most ``LINGER`` seconds, from a thread that outlives the call."""
         self._stop.set()
         self._beats.join()
-        self._waiter.close()
+        self._waiter.close(WAITER_EXIT)
         self._wait_store = None
         try:
             self.store.add("left", 1)
@@ -410,5 +413,11 @@ class _Waiter:
             except BaseException as exc:  # handed to the caller's thread
                 future.set_exception(exc)
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
+        """Stop the thread, and wait up to ``timeout`` seconds for it to end. After a failure it
+        may still be inside a wait that the abort made fail; a process that exits while a thread
+        is inside a gloo wait is killed by the C++ runtime (SIGABRT, "terminate called without
+        an active exception": the wait returns during interpreter shutdown, the thread cannot
+        take the GIL and is unwound through C++ frames that may not throw)."""
         self._queue.put(None)
+        self._thread.join(timeout)

@@ -5,9 +5,11 @@ as it enters each phase; :class:`FaultComm` overrides it in the victim
 process only. No public knob of tenplex is involved.
 """
 
+import faulthandler
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 
@@ -58,6 +60,8 @@ def faulty(rank: int, victim: int, phases: list[str], action: str, timeout: floa
            out_dir: str) -> None:
     """For each phase, in a new process group: reconfigure SRC -> DST on 4 processes while
     ``victim`` raises or dies at that phase. A process that raised forms the next group."""
+    # A crash in C++ (SIGABRT, SIGSEGV) leaves every thread's Python stack here for the test to show.
+    faulthandler.enable(open(os.path.join(out_dir, f"stacks-{rank}.txt"), "w"), all_threads=True)
     try:
         local = materialize(TREE, random_state(TREE, SRC, 5), SRC, rank)
         before = {p: t.clone() for p, t in local.items() if isinstance(t, torch.Tensor)}
@@ -72,6 +76,10 @@ def faulty(rank: int, victim: int, phases: list[str], action: str, timeout: floa
             except TransferError as err:
                 outcome = {"error": str(err), "cause": repr(err.__cause__)}
             outcome["time"] = time.time()
+            # The transfer's helper threads are gone when it returns (process 0's store linger
+            # may outlive it by design: a non-daemon thread, joined before the interpreter exits).
+            outcome["threads"] = [t.name for t in threading.enumerate()
+                                  if t.name.startswith("tenplex-") and t.name != "tenplex-linger"]
             outcome["intact"] = all(bitwise_equal(before[p], local[p]) for p in before)
             write(f"{out_dir}/{case}", f"outcome-{rank}", outcome)
             dist.destroy_process_group()
