@@ -110,7 +110,9 @@ def reshard_parts(guard, comm, fmt, source, dst, to, opts: dict, progress, start
         start: ``time.perf_counter()`` when the reshard began.
 
     Returns:
-        Every process's :class:`ProcessStats`, in process order, and the files committed.
+        ``(stats, files, (padding, notes))``: every process's :class:`ProcessStats`, in process
+        order; the files committed; the parts' padding lines and notes, each line once, in
+        process order (a part notes what it derived for its own files).
 
     Raises:
         CorruptShardError: the commit was refused (a file missing or of another size).
@@ -132,7 +134,8 @@ def reshard_parts(guard, comm, fmt, source, dst, to, opts: dict, progress, start
         report = dict(result.part)
         mine = ProcessStats(comm.rank, report.pop("ranks", []), source.bytes_read, result.bytes_needed or 0,
                             result.bytes_written, time.perf_counter() - start)
-        blob = json.dumps({"stats": asdict(mine), "part": report}).encode()
+        blob = json.dumps({"stats": asdict(mine), "part": report, "padding": list(result.padding),
+                           "notes": list(result.notes)}).encode()
         written = [json.loads(b) for b in guard.gather("written", blob)]
     except BaseException:
         if comm.rank == 0:
@@ -156,4 +159,6 @@ def reshard_parts(guard, comm, fmt, source, dst, to, opts: dict, progress, start
     if error is not None:
         with guard.agreeing():
             raise CorruptShardError(error)
-    return [ProcessStats(**w["stats"]) for w in written], files
+    remarks = tuple(tuple(dict.fromkeys(line for w in written for line in w[key]))
+                    for key in ("padding", "notes"))
+    return [ProcessStats(**w["stats"]) for w in written], files, remarks

@@ -46,6 +46,7 @@ import numpy as np
 
 from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TransferError
 from tenplex.formats import TENPLEX, detect, get_format
+from tenplex.formats.protocol import padding_lines
 from tenplex.ptree.config import ParallelConfig
 from tenplex.store.blocks import DEFAULT_BLOCK
 from tenplex.store.execute import StorePlanRunner, target_values
@@ -115,6 +116,10 @@ class DistributedReshardReport:
         processes: one :class:`ProcessStats` per process.
         files: target files written.
         seconds: wall time on this process, to the commit.
+        padding: one line per padded axis whose padded length changed, as the
+            single-process :func:`tenplex.reshard` reports them.
+        notes: remarks for the user (what the target format dropped or derived):
+            every process's, each line once, in process order.
     """
 
     src_format: str
@@ -124,6 +129,8 @@ class DistributedReshardReport:
     processes: list[ProcessStats]
     files: int
     seconds: float
+    padding: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def bytes_read(self) -> int:
@@ -142,7 +149,8 @@ class DistributedReshardReport:
         return {"src_format": self.src_format, "format": self.format, "src": str(self.src),
                 "dst": str(self.dst), "files": self.files, "seconds": self.seconds,
                 "bytes_read": self.bytes_read, "bytes_needed": self.bytes_needed,
-                "bytes_written": self.bytes_written, "processes": [asdict(p) for p in self.processes]}
+                "bytes_written": self.bytes_written, "padding": list(self.padding),
+                "notes": list(self.notes), "processes": [asdict(p) for p in self.processes]}
 
 
 def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, format: str | None = None,
@@ -194,9 +202,10 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
         with guard.agreeing():
             check_same_inputs(WHAT, everyone)
         if out_fmt.name != TENPLEX:
-            stats, files = reshard_parts(guard, comm, out_fmt, source, dst, to, opts, progress, start)
+            stats, files, remarks = reshard_parts(guard, comm, out_fmt, source, dst, to, opts, progress,
+                                                  start)
             return DistributedReshardReport(src_fmt.name, out_fmt.name, source.config, to, stats, files,
-                                            time.perf_counter() - start)
+                                            time.perf_counter() - start, *remarks)
         plan = make_plan(tree, source.config, to, src_sharding=source.sharding)
         writer = _open(guard, comm, dst, tree, to, source.meta, storage_options, block)
         mine = split_files(writer.entries(), comm.size, to)[comm.rank]
@@ -220,7 +229,8 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
                 _cleanup(writer, comm)
                 raise CorruptShardError(error)
     return DistributedReshardReport(src_fmt.name, out_fmt.name, source.config, to, stats,
-                                    sum(len(s.ranks) for s in stats), time.perf_counter() - start)
+                                    sum(len(s.ranks) for s in stats), time.perf_counter() - start,
+                                    padding_lines(plan.padding))
 
 
 def open_source(guard: TransferGuard, comm: Comm, fmt, src: str, opts: dict, args: dict):

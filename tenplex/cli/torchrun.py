@@ -33,6 +33,11 @@ def reshard_torchrun(args, options: dict, bar_factory) -> int:
 
 
 def _print(args, r: DistributedReshardReport) -> None:
+    """As the single-process command: padding changes and notes on stderr, the summary on stdout."""
+    for line in r.padding:
+        print(f"padding: {line}", file=sys.stderr)
+    for note in r.notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps(r.to_json()))
         return

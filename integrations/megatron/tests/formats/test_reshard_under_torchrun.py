@@ -68,6 +68,7 @@ def test_four_processes_reshard_a_megatron_checkpoint_as_one_process_does(source
         else:
             assert v == b[k], k
     assert sorted(r for p in report["processes"] for r in p["ranks"]) == [0, 1, 2, 3]
+    assert (report["padding"], report["notes"]) == (list(one.padding), list(one.notes))  # as one process
     # issue 25's byte goal, every byte read from the source's files counted where it is read (the
     # description files included): what one process needs is what it reads (the pickles or DCP's
     # index and item headers once, the tied copies compared once, the tensors its plan needs, the
@@ -111,12 +112,17 @@ def test_four_processes_write_a_megatron_target_byte_for_byte_as_one_process_doe
     single, dst, counts = tmp_path / "single", tmp_path / "dst", tmp_path / "counts"
     counts.mkdir()
     with counting(src) as one_read:
-        reshard(str(src), str(single), ParallelConfig.parse(DST), format=target, threads=2)
+        one_report = reshard(str(src), str(single), ParallelConfig.parse(DST), format=target, threads=2)
     report = _torchrun(4, ["reshard", str(src), str(dst), "--to", DST, "--format", target, "--json",
                            "--threads", "2"], count=(src, counts))
     assert report["format"] == target and len(report["processes"]) == 4
     assert sorted(r for p in report["processes"] for r in p["ranks"]) == [0, 1, 2, 3]
     assert all(len(p["ranks"]) == 1 for p in report["processes"])  # balanced: one stage each
+    # the padding changes and notes one process reports (each part notes what it derived for its own
+    # files: every line once, in process order, which need not be one process's order)
+    assert report["padding"] == list(one_report.padding)
+    assert one_report.notes and sorted(report["notes"]) == sorted(one_report.notes), \
+        (report["notes"], one_report.notes)
     verify(str(dst), checksums=True)
     one, many = _files(single), _files(dst)
     assert one.keys() == many.keys()  # no temporary folder left, the same files
