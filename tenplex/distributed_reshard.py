@@ -3,13 +3,15 @@
 ``torchrun --nproc_per_node=K -m tenplex reshard SRC DST --to ...`` runs
 :func:`reshard_distributed` on every process. Each process opens the source
 in place (or, for a format that shares an opened source, process 0 opens it
-and the others rebuild it from its JSON form: :func:`open_source`) and plans
-the same reshard; the target's shard files are split
-across the processes by bytes (:func:`tenplex.store.split.split_files`:
-ranks holding the same tensors stay on one process, so their shared source
-blocks are read once); each process streams its files from the byte ranges
-they need and fsyncs them; the processes report their files' sizes and
-digests, and process 0 commits the manifest once
+and the others rebuild it from its JSON form: :func:`open_source`); the
+target's shard files are split across the processes by bytes
+(:func:`tenplex.store.split.split_files`: ranks holding the same tensors stay
+on one process, so their shared source blocks are read once); each process
+plans the ops of its own files only (``make_plan(..., ranks=)``: op for op the
+whole plan's, at a cost that follows its share, not the target's world size),
+streams its files from the byte ranges they need and fsyncs them; the
+processes report their files' sizes and digests, and process 0 commits the
+manifest once, with every target rank's values (:func:`~tenplex.transform.planner.value_ops`)
 (:func:`tenplex.store.gathered.commit_gathered`, the commit of
 :func:`tenplex.save_distributed`).
 
@@ -40,7 +42,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -48,6 +50,7 @@ from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, T
 from tenplex.formats import TENPLEX, detect, get_format
 from tenplex.formats.protocol import padding_lines
 from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.sharding import Sharding
 from tenplex.store.blocks import DEFAULT_BLOCK
 from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.store.hostcache import HostBlockCache, edge_blocks
@@ -60,7 +63,7 @@ from tenplex.distributed_parts import ProcessStats, _Counter, _watch, reshard_pa
 from tenplex.transform.comm import Comm, TorchComm
 from tenplex.transform.guard import TransferGuard
 from tenplex.transform.plan import FILL_CODE
-from tenplex.transform.planner import make_plan
+from tenplex.transform.planner import make_plan, value_ops
 
 __all__ = ["under_torchrun", "init_group", "stop_on_sigterm", "reshard_distributed", "open_source",
            "DistributedReshardReport", "ProcessStats", "RESHARD_TIMEOUT"]
@@ -206,9 +209,12 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
                                                   start)
             return DistributedReshardReport(src_fmt.name, out_fmt.name, source.config, to, stats, files,
                                             time.perf_counter() - start, *remarks)
-        plan = make_plan(tree, source.config, to, src_sharding=source.sharding)
-        writer = _open(guard, comm, dst, tree, to, source.meta, storage_options, block)
+        target = Sharding(tree, to)
+        writer = _open(guard, comm, dst, tree, to, source.meta, storage_options, block, target)
         mine = split_files(writer.entries(), comm.size, to)[comm.rank]
+        # each process plans the ops of its own files only (the cost follows its share, not the world)
+        plan = make_plan(tree, source.config, to, src_sharding=source.sharding, dst_sharding=target,
+                         ranks=mine)
         _share_edges(source, plan, mine, writer.token)  # edge blocks: read once per host
         guard.phase("write")
         stats, written = _write(guard, comm, source, plan, writer, mine, threads, max_open_files,
@@ -220,7 +226,8 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
             for item in written:
                 records.update(records_from_json(item["records"]))
             try:
-                error = commit_gathered(writer, records, target_values(tree, plan, source), WHAT)
+                every = replace(plan, values=value_ops(tree, source.config, to, set(range(source.config.world_size))))
+                error = commit_gathered(writer, records, target_values(tree, every, source), WHAT)
             except AlreadyExistsError as exc:
                 error = str(exc)
         error = json.loads(guard.gather("committed", json.dumps(error).encode())[0])
@@ -320,13 +327,15 @@ def _share_edges(source, plan, mine: list[int], token: str):
     return source.host_cache
 
 
-def _open(guard: TransferGuard, comm: Comm, dst, tree, to, meta, storage_options, block) -> StoreWriter:
+def _open(guard: TransferGuard, comm: Comm, dst, tree, to, meta, storage_options, block,
+          sharding) -> StoreWriter:
     """Process 0 refuses a committed ``dst`` and picks the run's file token; then every process opens a writer."""
     answer = None
     writer = None
     if comm.rank == 0:
         try:
-            writer = StoreWriter(dst, tree, to, storage_options=storage_options, meta=meta, block=block)
+            writer = StoreWriter(dst, tree, to, storage_options=storage_options, meta=meta, block=block,
+                                 sharding=sharding)
             answer = {"token": writer.token}
         except AlreadyExistsError as exc:
             answer = {"exists": str(exc)}
@@ -336,7 +345,7 @@ def _open(guard: TransferGuard, comm: Comm, dst, tree, to, meta, storage_options
             raise AlreadyExistsError(answer["exists"])
     if writer is None:
         writer = StoreWriter(dst, tree, to, storage_options=storage_options, meta=meta, block=block,
-                             token=answer["token"])
+                             token=answer["token"], sharding=sharding)
     return writer
 
 

@@ -34,8 +34,8 @@ def _same(a: dict, b: dict, tensors_only: bool = False) -> None:
             assert a[k] == b[k], k
 
 
-def _run(nproc, src, dst, *, no_python=False, extra=()):
-    p = torchrun(nproc, ["reshard", str(src), str(dst), "--to", DST, "--format", "tenplex", "--json",
+def _run(nproc, src, dst, *, no_python=False, extra=(), to=DST):
+    p = torchrun(nproc, ["reshard", str(src), str(dst), "--to", to, "--format", "tenplex", "--json",
                          "--threads", "2", *extra], no_python=no_python)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-4000:]
@@ -91,6 +91,21 @@ def test_torchrun_no_python_runs_the_console_script(tmp_path):
     reshard(str(src), str(single), ParallelConfig(dp=1, tp=1, pp=4), threads=2)
     report = _run(2, src, dst, no_python=True)
     _check(src, dst, single, report, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_processes_without_files_plan_nothing_and_process_0_commits_every_ranks_values(tmp_path):
+    """Each process plans its own files' ops only; with more processes than files some plan none, and
+    process 0 still commits every target rank's values, as one process does."""
+    src, dst, single = tmp_path / "src", tmp_path / "dst", tmp_path / "single"
+    to = ParallelConfig(dp=2, tp=1, pp=1)  # two files for three processes
+    gpt_store(str(src), SRC, layers=1, hidden=64)
+    reshard(str(src), str(single), to, threads=2)
+    report = _run(3, src, dst, to=str(to))
+    assert sorted(len(p["ranks"]) for p in report["processes"]) == [0, 1, 1]
+    verify(str(dst))
+    _same(load_global(str(dst)), load_global(str(single)))  # values too: rank-scoped ones of both ranks
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ from tenplex.transform.plan import FILL_CODE, STORE_RANK, OpTable, PaddingChange
 from tenplex.transform.template import (HOST, LOCAL, NETWORK, STORE, Choice, Devices,
                                         Segments, TemplateMaker)
 
-__all__ = ["make_plan", "deal", "RULES"]
+__all__ = ["make_plan", "value_ops", "deal", "RULES"]
 
 RULES = "tenplex.planner/3"
 """The version of the planner's rules (source choice, op order); change it with them.
@@ -149,7 +149,7 @@ def make_plan(tree: PTree, src: ParallelConfig, dst: ParallelConfig, *,
         totals = dataclasses.replace(totals, placement_bound=placement_bound(tree, src, dst, alive_mask))
     wanted = None if part is None else np.nonzero(part[0])[0].tolist()
     return Plan(src, dst, src_placement, dst_placement, tuple(sorted(alive_set)), table,
-                _value_ops(tree, src, dst, alive_set, wanted), tuple(builder.padding), totals,
+                value_ops(tree, src, dst, alive_set, wanted), tuple(builder.padding), totals,
                 ranks=None if part is None else tuple(wanted),
                 senders=None if part is None else tuple(np.nonzero(part[1][:-1])[0].tolist()),
                 shardings=(S, D))
@@ -218,10 +218,13 @@ def missing_message(missing: dict) -> str:
             + "; ".join(items) + more)
 
 
-def _value_ops(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: set,
-               ranks: list | None) -> tuple:
-    """Value-leaf ops of ``ranks`` (default every target rank): a target keeps its own value
-    where its rank is live and holds the same key, else takes the lowest live rank's with it.
+def value_ops(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: set,
+              ranks: list | None = None) -> tuple:
+    """Value-leaf ops of ``ranks`` (default every target rank), as :attr:`Plan.values` holds them:
+    a target keeps its own value where its rank is live and holds the same key, else takes the
+    lowest live rank's with it. A process that planned its own part can complete the values with
+    this alone, without planning another tensor op (process 0 of a reshard under torchrun commits
+    every rank's values).
 
     The lowest live rank with a key is found on coordinate arrays
     (:class:`~tenplex.ptree.ranks.RankTable`), so a partial plan costs no loop over the world.
