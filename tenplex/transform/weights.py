@@ -51,6 +51,8 @@ def terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarr
     sides (:func:`~tenplex.transform.geometry.tp_symmetric`, with live ranks symmetric too)
     is worked out for split rank 0 only, as the planner's templates are: its terms are
     merged at split rank 0 and tiled over the other split ranks at the end, as arrays.
+    A leaf that is another stage's leaf moved by whole stages (:class:`_StageShift`) shares
+    that leaf's kind: its terms are kept relative to stage 0 and moved to its stage at the end.
     ``shardings``: ``(Sharding(tree, src), Sharding(tree, dst))`` to reuse (and fill) their
     memos, e.g. a live change's, which its planner then reuses.
     """
@@ -58,19 +60,21 @@ def terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarr
     if alive is None:
         alive = np.r_[np.ones(src.world_size, dtype=bool), False]
     needed = 0
-    summed: dict = {}  # (target ranks, source ranks as bytes, tiling) -> bytes
+    summed: dict = {}  # (target ranks, source ranks as bytes (stage-relative), tiling, stage) -> bytes
     covers: dict = {}
-    kinds: dict = {}  # leaves of one kind (geometry.signature) share their terms, in elements
+    kinds: dict = {}  # leaves of one kind share their terms, in elements, ranks stage-relative
     symmetric: dict = {}  # split axis -> whether the live ranks are the same on every split rank
+    stages = _StageShift(S, D, alive)
     for path, leaf in tree.tensors():
-        key = signature(S, D, leaf)
+        key, stage = stages.key(leaf)
         kind = kinds.get(key)
         if kind is None:
-            kind = kinds[key] = _kind_terms(S, D, path, leaf, alive, covers, symmetric)
+            kind = kinds[key] = stages.relative(_kind_terms(S, D, path, leaf, alive, covers, symmetric), stage)
         needed += kind[0] * leaf.itemsize
-        for pair, n in kind[1].items():
+        for (k, p, tiling), n in kind[1].items():
+            pair = (k, p, tiling, stage)
             summed[pair] = summed.get(pair, 0) + n * leaf.itemsize
-    return needed, _tile(summed)
+    return needed, _tile(summed, stages.strides)
 
 
 def shardings_of(tree: PTree, src: ParallelConfig, dst: ParallelConfig,
@@ -170,12 +174,14 @@ def _covered(g: LeafGeometry) -> bool:
     return True
 
 
-def _tile(terms: dict) -> Terms:
-    """The terms of :func:`_kind_terms` (summed over leaves) with their tilings carried out."""
+def _tile(terms: dict, strides: tuple[int, int]) -> Terms:
+    """The terms of :func:`_kind_terms` (summed over leaves) moved to their stages (``strides``:
+    the target's and the source's pp strides) and with their tilings carried out."""
     ones: dict = {}  # tiling -> ([target], [source], [bytes]) of its one-to-one terms
     many = []
-    for (k, p, tiling), n in terms.items():
-        ks, ps = np.frombuffer(k, dtype=np.int64), np.frombuffer(p, dtype=np.int64)
+    for (k, p, tiling, stage), n in terms.items():
+        ks = np.frombuffer(k, dtype=np.int64) + stage * strides[0]
+        ps = np.frombuffer(p, dtype=np.int64) + stage * strides[1]
         if len(ks) == 1 and len(ps) == 1:
             one = ones.setdefault(tiling, ([], [], []))
             one[0].append(ks[0])
@@ -222,3 +228,68 @@ def _leaf_terms(g) -> tuple[int, dict]:
             key = (ranks.tobytes(), g.pools[pool].tobytes())
             terms[key] = terms.get(key, 0) + n
     return needed, terms
+
+
+class _StageShift:
+    """Leaves on different pipeline stages that are one picture moved by whole stages.
+
+    A leaf on one (stage, virtual chunk), the same on both sides, whose
+    shapes, split, owners and place in its stage's flat buffer (the buffer
+    instances' members and buckets, on both sides) equal another's on another
+    stage, where the live source ranks of both stages agree rank for rank, holds
+    what that one holds with every rank moved by the stage difference times
+    the pp stride (``rank = ... + pp * stride("pp")`` on each side). Such leaves
+    share one kind, whose terms are kept relative to stage 0 (Llama-3.1-405B
+    at pp 16: the 14 middle stages' layers are worked out once, not 14 times).
+    Any other leaf is its own stage-0 kind (:func:`~tenplex.transform.geometry.signature`).
+    """
+
+    def __init__(self, S: Sharding, D: Sharding, alive: np.ndarray):
+        self.S, self.D = S, D
+        same = S.config.pp == D.config.pp and S.config.vpp == D.config.vpp
+        self.strides = (D.config.stride("pp"), S.config.stride("pp")) if same else (0, 0)
+        self._alive = self._alive_classes(S.config, alive) if same else None
+        self._layouts: dict = {}
+
+    @staticmethod
+    def _alive_classes(config: ParallelConfig, alive: np.ndarray) -> list[int]:
+        """Per stage, a number equal for stages whose live ranks agree rank for rank."""
+        live = alive[:-1]
+        pp = RankTable(config).coord["pp"]
+        seen: dict = {}
+        return [seen.setdefault(live[pp == s].tobytes(), len(seen)) for s in range(config.pp)]
+
+    def key(self, leaf) -> tuple[tuple, int]:
+        """``(kind key, stage)``: the stage the kind's terms are moved to (0 for a leaf of its own)."""
+        places = self.S.places(leaf)
+        if self._alive is None or len(places) != 1 or self.D.places(leaf) != places:
+            return ("own", signature(self.S, self.D, leaf)), 0
+        (stage, chunk), = places
+        shape = (self.S.physical_shape(leaf), self.D.physical_shape(leaf), leaf.layout.split,
+                 leaf.layout.expert is not None, self.S.degree(leaf), self.D.degree(leaf),
+                 self.S.owner(leaf), self.D.owner(leaf), chunk, self._alive[stage])
+        if leaf.layout.dp_shard is None:
+            return ("moved", shape, None), stage
+        return ("moved", shape, self._member(self.S, leaf, stage, chunk),
+                self._member(self.D, leaf, stage, chunk)), stage
+
+    def _member(self, sharding: Sharding, leaf, stage: int, chunk: int) -> tuple:
+        """The leaf's place in its flat buffer instance, with the instance's layout, stage-free."""
+        part = sharding.expert_part(leaf)
+        name = leaf.layout.dp_shard.buffer
+        layout = sharding.buffer_layout(name, stage, chunk, part, sharding.owner(leaf) if part else 0)
+        hit = self._layouts.get(id(layout))
+        if hit is None:
+            members = tuple(layout.members.values())
+            order = {k: i for i, k in enumerate(layout.members)}
+            hit = self._layouts[id(layout)] = (layout, (name, members, layout.buckets, layout.group_size), order)
+        return hit[1], hit[2][leaf.layout.dp_shard.key]
+
+    def relative(self, kind: tuple[int, dict], stage: int) -> tuple[int, dict]:
+        """A kind's terms with their ranks moved from ``stage`` to stage 0."""
+        if not stage:
+            return kind
+        dk, dp = stage * self.strides[0], stage * self.strides[1]
+        return kind[0], {((np.frombuffer(k, dtype=np.int64) - dk).tobytes(),
+                          (np.frombuffer(p, dtype=np.int64) - dp).tobytes(), tiling): n
+                         for (k, p, tiling), n in kind[1].items()}
