@@ -226,7 +226,8 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
             for item in written:
                 records.update(records_from_json(item["records"]))
             try:
-                every = replace(plan, values=value_ops(tree, source.config, to, set(range(source.config.world_size))))
+                alive = set(range(source.config.world_size))
+                every = replace(plan, values=value_ops(tree, source.config, to, alive))  # all ranks'
                 error = commit_gathered(writer, records, target_values(tree, every, source), WHAT)
             except AlreadyExistsError as exc:
                 error = str(exc)

@@ -226,6 +226,15 @@ def value_ops(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: set,
     this alone, without planning another tensor op (process 0 of a reshard under torchrun commits
     every rank's values).
 
+    Args:
+        tree, src, dst: as :func:`make_plan`.
+        alive: the source ranks that can serve values.
+        ranks: the target ranks (default every one).
+
+    Returns:
+        ``ValueOp`` s ordered by target rank, then tree order; ``src_rank`` is ``STORE_RANK``
+        where no live rank holds the key.
+
     The lowest live rank with a key is found on coordinate arrays
     (:class:`~tenplex.ptree.ranks.RankTable`), so a partial plan costs no loop over the world.
     """

@@ -69,7 +69,8 @@ def terms(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: np.ndarr
         key, stage = stages.key(leaf)
         kind = kinds.get(key)
         if kind is None:
-            kind = kinds[key] = stages.relative(_kind_terms(S, D, path, leaf, alive, covers, symmetric), stage)
+            kind = kinds[key] = stages.relative(
+                _kind_terms(S, D, path, leaf, alive, covers, symmetric), stage)
         needed += kind[0] * leaf.itemsize
         for (k, p, tiling), n in kind[1].items():
             pair = (k, p, tiling, stage)
@@ -282,7 +283,8 @@ class _StageShift:
         if hit is None:
             members = tuple(layout.members.values())
             order = {k: i for i, k in enumerate(layout.members)}
-            hit = self._layouts[id(layout)] = (layout, (name, members, layout.buckets, layout.group_size), order)
+            shape = (name, members, layout.buckets, layout.group_size)
+            hit = self._layouts[id(layout)] = (layout, shape, order)  # the layout: its id stays taken
         return hit[1], hit[2][leaf.layout.dp_shard.key]
 
     def relative(self, kind: tuple[int, dict], stage: int) -> tuple[int, dict]:
