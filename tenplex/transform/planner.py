@@ -220,20 +220,11 @@ def missing_message(missing: dict) -> str:
 
 def value_ops(tree: PTree, src: ParallelConfig, dst: ParallelConfig, alive: set,
               ranks: list | None = None) -> tuple:
-    """Value-leaf ops of ``ranks`` (default every target rank), as :attr:`Plan.values` holds them:
-    a target keeps its own value where its rank is live and holds the same key, else takes the
-    lowest live rank's with it. A process that planned its own part can complete the values with
-    this alone, without planning another tensor op (process 0 of a reshard under torchrun commits
-    every rank's values).
-
-    Args:
-        tree, src, dst: as :func:`make_plan`.
-        alive: the source ranks that can serve values.
-        ranks: the target ranks (default every one).
-
-    Returns:
-        ``ValueOp`` s ordered by target rank, then tree order; ``src_rank`` is ``STORE_RANK``
-        where no live rank holds the key.
+    """Value-leaf ops of target ``ranks`` (default all; ``alive``: the source ranks that can serve
+    values), as :attr:`Plan.values` holds them, by target rank, then tree order: a target keeps
+    its own value where its rank is live and holds the same key, else takes the lowest live
+    rank's with it (``STORE_RANK``: none). Process 0 of a reshard under torchrun, which planned
+    its own part, completes every rank's values with this alone.
 
     The lowest live rank with a key is found on coordinate arrays
     (:class:`~tenplex.ptree.ranks.RankTable`), so a partial plan costs no loop over the world.
