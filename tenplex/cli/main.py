@@ -159,6 +159,15 @@ def _input(args: argparse.Namespace) -> str:
     return str(getattr(args, "src", None) or getattr(args, "path", None) or args.command)
 
 
+def _say(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write: under torchrun every process writes
+    its error line to one shared pipe, and with unbuffered stderr (``PYTHONUNBUFFERED``, ``-u``)
+    ``print`` writes the text and the newline separately, so another process's line could land
+    between them and two lines would run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(plugins=not _core_command(argv))
@@ -177,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             error = exhausted(_input(args), exc)
         raise error  # outside the handler: the failed command's frames are freed first
     except KeyboardInterrupt:
-        print("tenplex: interrupted", file=sys.stderr)
+        _say("tenplex: interrupted")
         return 130
     except Exception as exc:  # the CLI boundary: every failure is one line
         if args.debug:
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"worker {getattr(exc, 'worker', '?')}'s traceback:\n{remote.rstrip()}", file=sys.stderr)
         name = "" if isinstance(exc, TenplexError) else f"{type(exc).__name__}: "
         message = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        print(f"tenplex {args.command}: {name}{message}", file=sys.stderr)
+        _say(f"tenplex {args.command}: {name}{message}")
         return 1
 
 
@@ -219,3 +228,4 @@ def run() -> None:
 
 if __name__ == "__main__":
     run()
+

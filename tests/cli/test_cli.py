@@ -73,3 +73,28 @@ def test_usage_errors_exit_2_from_the_console_script(tmp_path):
     assert run("bogus").returncode == 2
     done = run("inspect", str(tmp_path / "missing"))
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+
+
+class _Writes:
+    """A stderr that records each write call (as an unbuffered stream passes them on)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_error_line_reaches_stderr_in_one_write(tmp_path, monkeypatch):
+    """Under torchrun every process writes its error line to one pipe; with unbuffered stderr
+    (PYTHONUNBUFFERED) a line written in two pieces (text, then newline) could be split by another
+    process's line, and two lines would run together."""
+    writes = _Writes()
+    monkeypatch.setattr("sys.stderr", writes)
+    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert len(writes.calls) == 1 and writes.calls[0].endswith("\n"), writes.calls
+    assert writes.calls[0].startswith("tenplex inspect: ") and writes.calls[0].count("\n") == 1
