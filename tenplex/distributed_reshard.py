@@ -3,7 +3,8 @@
 ``torchrun --nproc_per_node=K -m tenplex reshard SRC DST --to ...`` runs
 :func:`reshard_distributed` on every process. Each process opens the source
 in place (or, for a format that shares an opened source, process 0 opens it
-and the others rebuild it from its JSON form: :func:`open_source`); the
+and the others rebuild it from its JSON form: :func:`open_source`; a tenplex
+store's other processes check only the files they read); the
 target's shard files are split across the processes by bytes
 (:func:`tenplex.store.split.split_files`: ranks holding the same tensors stay
 on one process, so their shared source blocks are read once); each process

@@ -96,14 +96,17 @@ def test_torchrun_no_python_runs_the_console_script(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_processes_without_files_plan_nothing_and_process_0_commits_every_ranks_values(tmp_path):
-    """Each process plans its own files' ops only; with more processes than files some plan none, and
-    process 0 still commits every target rank's values, as one process does."""
+    """Each process plans its own files' ops only; with more processes than files some plan none (and
+    read nothing), and process 0 still commits every target rank's values, as one process does."""
     src, dst, single = tmp_path / "src", tmp_path / "dst", tmp_path / "single"
     to = ParallelConfig(dp=2, tp=1, pp=1)  # two files for three processes
     gpt_store(str(src), SRC, layers=1, hidden=64)
     reshard(str(src), str(single), to, threads=2)
     report = _run(3, src, dst, to=str(to))
     assert sorted(len(p["ranks"]) for p in report["processes"]) == [0, 1, 1]
+    # process 0 checks every source file before the others open it; another reads its own files only
+    idle = [p for p in report["processes"] if not p["ranks"]]
+    assert idle[0]["process"] != 0 and idle[0]["bytes_read"] == 0, report["processes"]
     verify(str(dst))
     _same(load_global(str(dst)), load_global(str(single)))  # values too: rank-scoped ones of both ranks
 

@@ -65,6 +65,9 @@ once per process:
   sharing process saw, and that every byte range lies inside its file,
   and raises ``ManifestError`` otherwise. Values kept in the files (e.g.
   RNG states) travel as byte ranges, read by the process that needs them.
+  (The tenplex store shares only its manifest's digest: each process reads
+  the manifest, checked against that digest, and checks a shard file's
+  header before its own first read of the file.)
 
 ``options`` are keyword arguments every call accepts and ignores where they
 do not apply: ``model_config`` (a JSON file's path with the model's fields),

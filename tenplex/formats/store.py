@@ -12,8 +12,9 @@ from any format, goes through this one loop.
 
 from __future__ import annotations
 
-from tenplex.errors import StoreError
+from tenplex.errors import ManifestError, StoreError
 from tenplex.formats.protocol import Description, VerifyResult, WriteResult, padding_lines
+from tenplex.limits import short
 from tenplex.ptree.config import ParallelConfig
 from tenplex.store.blocks import DEFAULT_BLOCK
 from tenplex.store.execute import StorePlanRunner, target_values
@@ -101,6 +102,34 @@ class TenplexFormat:
         """The store's reader, with every shard file's size and header checked first."""
         reader = StoreReader(path, options.get("storage_options"))
         reader.check_files(options.get("threads", 8))
+        return reader
+
+    @staticmethod
+    def share(source: StoreReader) -> dict:
+        """What another process needs to open the same store (:meth:`open_shared`): the digest of
+        the manifest this process read. Its files were checked by :meth:`open_source` here."""
+        return {"manifest": source.manifest_digest}
+
+    @staticmethod
+    def open_shared(path: str, shared, **options) -> StoreReader:
+        """The store :meth:`share` described, as this process reads it: the manifest is read and
+        checked here, each shard file's size and header only before this process's first read of
+        it (:meth:`StoreReader.check_file`), so a process reads the headers of its own files only.
+
+        Raises:
+            ManifestError: ``shared`` is not what :meth:`share` gives, or the manifest at ``path``
+                differs from the one the sharing process read (``path`` is not on storage that
+                every process shares, or holds another copy).
+        """
+        reader = StoreReader(path, options.get("storage_options"))
+        expected = shared.get("manifest") if isinstance(shared, dict) else None
+        if not isinstance(expected, str):
+            raise ManifestError(f"{path}: shared source: expected {{'manifest': digest}}, "
+                                f"found {short(shared, 80)}")
+        if expected != reader.manifest_digest:
+            raise ManifestError(f"{reader.root}/{MANIFEST}: this process read a manifest with xxh3-128 "
+                                f"{reader.manifest_digest}, the process that opened the source read "
+                                f"{expected}; every process must see the same store (shared storage)")
         return reader
 
     @staticmethod

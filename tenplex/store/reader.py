@@ -38,6 +38,11 @@ def open_manifest(root: StoreRoot) -> Manifest:
         ManifestError: no manifest (not a committed checkpoint) or a bad one,
             naming the field (see :mod:`tenplex.store.manifest_parse`).
     """
+    return parse_manifest(_manifest_bytes(root), f"{root}/{MANIFEST}")
+
+
+def _manifest_bytes(root: StoreRoot) -> bytes:
+    """The manifest file's bytes (at most ``MAX_MANIFEST + 1``; the parser refuses more)."""
     where = f"{root}/{MANIFEST}"
     try:
         with translate_errors(where):
@@ -48,7 +53,7 @@ def open_manifest(root: StoreRoot) -> Manifest:
         raise ManifestError(
             f"{where}: no manifest; {root} is not a committed checkpoint"
             + (" (it holds shards of an incomplete save)" if leftovers else "")) from None
-    return parse_manifest(data, where)
+    return data
 
 
 class StoreReader:
@@ -68,6 +73,7 @@ class StoreReader:
 
     Attributes:
         manifest, tree, config, meta: as stored.
+        manifest_digest: xxh3-128 hex digest of the manifest file's bytes, as read.
         sharding: the stored layout.
         bytes_read: bytes fetched from shard files so far (thread-safe).
         requests: read requests made so far.
@@ -86,7 +92,9 @@ class StoreReader:
 
     def __init__(self, url: str | StoreRoot, storage_options: dict | None = None):
         self.root = url if isinstance(url, StoreRoot) else StoreRoot(url, storage_options)
-        self.manifest = open_manifest(self.root)
+        data = _manifest_bytes(self.root)
+        self.manifest = parse_manifest(data, f"{self.root}/{MANIFEST}")
+        self.manifest_digest = digest(data)
         self.tree, self.config = self.manifest.tree, self.manifest.config
         self.meta = self.manifest.meta
         self.sharding = self.manifest.sharding or Sharding(self.tree, self.config)

@@ -1,7 +1,12 @@
 """The tenplex store joins the format conformance suite."""
 
+import torch
+
 from tenplex.formats import TenplexFormat
 from tenplex.formats.conformance import FormatConformance
+
+
+WORD = "model/embedding/word_embeddings/weight"
 
 
 class TestTenplexFormat(FormatConformance):
@@ -81,3 +86,41 @@ def test_a_reshard_builds_one_sharding_per_config(tmp_path, monkeypatch):
     to = ParallelConfig(dp=1, tp=1, pp=2)
     tenplex.reshard(str(tmp_path / "a"), str(tmp_path / "b"), to)
     assert sorted(map(str, built)) == sorted([str(src), str(to)]), built
+
+
+def test_a_shared_store_is_the_sharers_and_checks_each_file_before_its_first_read_here(tmp_path):
+    """``share``/``open_shared`` (a reshard under torchrun): another process reads the manifest itself
+    and refuses one that is not the sharer's; it checks a shard file's size and header only before its
+    own first read of that file, so it reads no byte of the files it does not need."""
+    import json
+
+    import pytest
+
+    from tenplex.errors import CorruptShardError, ManifestError
+    from tenplex.ptree.config import ParallelConfig
+    from tests.helpers.torchrun_reshard import gpt_store
+
+    src, other = str(tmp_path / "src"), str(tmp_path / "other")
+    gpt_store(src, ParallelConfig(dp=1, tp=2, pp=1), layers=1, hidden=64)
+    gpt_store(other, ParallelConfig(dp=1, tp=2, pp=1), layers=1, hidden=64, seed=1)
+    fmt = TenplexFormat()
+    opened = fmt.open_source(src)  # the sharing process: every file checked
+    shared = json.loads(json.dumps(fmt.share(opened)))  # it travels as JSON
+    back = fmt.open_shared(src, shared)
+    assert back.bytes_read == 0
+    rec0 = back.record(WORD, 0)
+    rec1 = back.record(WORD, 1)
+    assert rec0.file != rec1.file
+    header = tmp_path / "src" / rec1.file
+    data = bytearray(header.read_bytes())
+    data[20] ^= 0xFF  # inside the header's JSON: its block's digest no longer matches
+    header.write_bytes(bytes(data))
+    assert torch.equal(back.read(rec0), opened.read(rec0))  # file 0: checked and read here
+    with pytest.raises(CorruptShardError, match="checksum mismatch in block 0"):
+        back.read(rec1)  # file 1 is checked at its first read here, and fails
+    with pytest.raises(ManifestError, match="every process must see the same store"):
+        fmt.open_shared(other, shared)
+    for bad in ([], {"manifest": 3}, None):
+        with pytest.raises(ManifestError, match="shared source: expected"):
+            fmt.open_shared(src, bad)
+
