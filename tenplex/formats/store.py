@@ -121,11 +121,11 @@ class TenplexFormat:
                 differs from the one the sharing process read (``path`` is not on storage that
                 every process shares, or holds another copy).
         """
-        reader = StoreReader(path, options.get("storage_options"))
         expected = shared.get("manifest") if isinstance(shared, dict) else None
         if not isinstance(expected, str):
             raise ManifestError(f"{path}: shared source: expected {{'manifest': digest}}, "
                                 f"found {short(shared, 80)}")
+        reader = StoreReader(path, options.get("storage_options"))
         if expected != reader.manifest_digest:
             raise ManifestError(f"{reader.root}/{MANIFEST}: this process read a manifest with xxh3-128 "
                                 f"{reader.manifest_digest}, the process that opened the source read "
