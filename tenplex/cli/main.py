@@ -228,4 +228,3 @@ def run() -> None:
 
 if __name__ == "__main__":
     run()
-

@@ -12,6 +12,8 @@ from any format, goes through this one loop.
 
 from __future__ import annotations
 
+import re
+
 from tenplex.errors import ManifestError, StoreError
 from tenplex.formats.protocol import Description, VerifyResult, WriteResult, padding_lines
 from tenplex.limits import short
@@ -31,6 +33,8 @@ __all__ = ["TENPLEX", "TenplexFormat", "write_store"]
 
 TENPLEX = "tenplex"
 """The store format's name (``--format tenplex``)."""
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")  # xxh3-128, hex (tenplex.store.blocks.digest)
 
 
 def write_store(source: ShardSource, dst: str, to: ParallelConfig, *, threads: int = 8,
@@ -122,9 +126,9 @@ class TenplexFormat:
                 every process shares, or holds another copy).
         """
         expected = shared.get("manifest") if isinstance(shared, dict) else None
-        if not isinstance(expected, str):
-            raise ManifestError(f"{path}: shared source: expected {{'manifest': digest}}, "
-                                f"found {short(shared, 80)}")
+        if not isinstance(expected, str) or not _DIGEST.fullmatch(expected):
+            raise ManifestError(f"{path}: shared source: expected {{'manifest': 32 hex digits "
+                                f"(xxh3-128)}}, found {short(shared, 80)}")
         reader = StoreReader(path, options.get("storage_options"))
         if expected != reader.manifest_digest:
             raise ManifestError(f"{reader.root}/{MANIFEST}: this process read a manifest with xxh3-128 "

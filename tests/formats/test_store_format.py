@@ -120,7 +120,6 @@ def test_a_shared_store_is_the_sharers_and_checks_each_file_before_its_first_rea
         back.read(rec1)  # file 1 is checked at its first read here, and fails
     with pytest.raises(ManifestError, match="every process must see the same store"):
         fmt.open_shared(other, shared)
-    for bad in ([], {"manifest": 3}, None):
+    for bad in ([], {"manifest": 3}, None, {"manifest": "0" * 1_000_000}):
         with pytest.raises(ManifestError, match="shared source: expected"):
             fmt.open_shared(src, bad)
-
