@@ -239,6 +239,20 @@ def pattern_fresh(matrix, repeat: int) -> float:
     return best
 
 
+def balanced(matrix):
+    """``matrix`` with each receiver's bytes split evenly over the processes that send to it in
+    ``matrix`` (the same senders, receivers and total bytes per receiver): what the plan's pattern
+    would take if its deal split every receiver's bytes evenly over its senders."""
+    world = len(matrix)
+    out = [[0] * world for _ in range(world)]
+    for q in range(world):
+        senders = [p for p in range(world) if matrix[p][q] and p != q]
+        total = sum(matrix[p][q] for p in senders)
+        for i, p in enumerate(senders):
+            out[p][q] = total // len(senders) + (1 if i < total % len(senders) else 0)
+    return out
+
+
 VARIANTS = ("fresh", "out")
 """The live runs: new tensors allocated by the call, and ``out=`` (received in place)."""
 
