@@ -164,14 +164,13 @@ def timed(fn):
 
 
 def p2p_exchange(sends, recvs) -> None:
-    """Send each ``(peer, tensor)`` and receive each ``(peer, tensor)``, all in one batch."""
-    import torch.distributed as dist
+    """Send each ``(peer, tensor)`` and receive each ``(peer, tensor)``, all in one batch, through
+    the live path's own transport (:class:`tenplex.transform.comm.TorchComm`: on a gloo group of
+    several devices, large messages travel in parts over all of them), so that a floor and the
+    live path move bytes alike."""
+    from tenplex.transform.comm import TorchComm
 
-    ops = [dist.P2POp(dist.isend, t, p) for p, t in sends]
-    ops += [dist.P2POp(dist.irecv, t, p) for p, t in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    TorchComm().exchange(sends, recvs)
 
 
 def ring(nbytes: int, repeat: int) -> tuple[float, float]:

@@ -78,6 +78,11 @@ live within 1.3x the floor (``live_over_floor <= 1.3``), bytes moved equal to th
 planner's lower bound (``moved_over_lower_bound == 1``). The last line is one JSON object
 with those three ratios and the raw seconds and bytes.
 
+``--gloo-devices N`` makes the process group with N gloo devices per process (one TCP
+connection per pair per device, ``GLOO_SOCKET_IFNAME=lo,lo,...``); the live path and every
+floor (through :class:`tenplex.transform.comm.TorchComm`) then send large messages in parts
+over all of them. Default 1, as before.
+
 ``--profile FILE`` runs one more, untimed, live reconfiguration with every rank under
 cProfile, dumps rank 0's stats to FILE (rank r's to ``FILE.rankr``), prints rank 0's top
 functions and a per-rank table of the live path's phases.
@@ -86,7 +91,7 @@ Wall times depend on other load on the machine (four processes share its cores);
 run it on an otherwise idle machine, with ``--repeat 3`` for stable numbers.
 
 Usage: python bench/reconfigure.py [--mb 400] [--budget-mb 256] [--repeat 1]
-       [--src dp=2,tp=2,pp=1] [--dst dp=1,tp=4,pp=1] [--profile FILE]
+       [--src dp=2,tp=2,pp=1] [--dst dp=1,tp=4,pp=1] [--profile FILE] [--gloo-devices 1]
 """
 
 from __future__ import annotations
@@ -209,7 +214,7 @@ def _say(rank: int, text: str) -> None:
 # -- worker --------------------------------------------------------------------
 
 def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int, repeat: int,
-           root: str, result: str, profile: str) -> None:
+           root: str, result: str, profile: str, gloo_devices: int = 1) -> None:
     import torch
     import torch.distributed as dist
 
@@ -221,6 +226,8 @@ def worker(rank: int, port: int, spec, src_text: str, dst_text: str, budget: int
     torch.set_num_threads(1)
     phase_times = live_phases.instrument()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if gloo_devices > 1:  # one gloo device per entry: that many connections per pair of processes
+        os.environ["GLOO_SOCKET_IFNAME"] = ",".join(["lo"] * gloo_devices)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=900))
     try:
@@ -347,6 +354,8 @@ def main() -> None:
     parser.add_argument("--no-405b", action="store_true",
                         help="skip the estimate at the size of a Llama-3.1-405B rank (plans it whole, ~1 GB)")
     parser.add_argument("--profile", default="", help="cProfile one extra live run of rank 0 to FILE")
+    parser.add_argument("--gloo-devices", type=int, default=1,
+                        help="gloo devices per process (GLOO_SOCKET_IFNAME=lo,lo,...): connections per pair")
     args = parser.parse_args()
 
     import torch.multiprocessing as tmp
@@ -362,7 +371,8 @@ def main() -> None:
     print(f"model: layers={spec.num_layers} hidden={spec.hidden} heads={spec.heads} "
           f"ffn={spec.ffn} vocab={spec.vocab} bf16 + Adam (fp32 exp_avg, exp_avg_sq, main_param); "
           f"{sum(1 for _ in tree.tensors())} tensor leaves, {size / 1e6:.1f} MB logical", flush=True)
-    print(f"change: {src} -> {dst}, {WORLD} gloo processes, memory_budget {args.budget_mb:g} MB, "
+    print(f"change: {src} -> {dst}, {WORLD} gloo processes ({args.gloo_devices} gloo device(s) each), "
+          f"memory_budget {args.budget_mb:g} MB, "
           f"DCP on /dev/shm", flush=True)
 
     root = tempfile.mkdtemp(prefix="tenplex-reconf-", dir="/dev/shm")
@@ -370,7 +380,7 @@ def main() -> None:
     budget = int(args.budget_mb * (1 << 20))
     try:
         tmp.spawn(worker, args=(free_port(), spec, args.src, args.dst, budget, max(1, args.repeat),
-                                root, result, args.profile),
+                                root, result, args.profile, args.gloo_devices),
                   nprocs=WORLD, join=True, start_method="spawn")
         with open(result) as f:
             r = json.load(f)

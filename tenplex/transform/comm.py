@@ -32,7 +32,10 @@ from tenplex.errors import TransferError
 __all__ = ["Comm", "LocalComm", "TorchComm"]
 
 ABORT_TAG = 0x7E4A
-"""The tag of the receive :meth:`TorchComm.abort` times out on (never sent)."""
+"""The first tag of the receives :meth:`TorchComm.abort` times out on, one per gloo device (never sent)."""
+
+PART_BYTES = 4 << 20
+"""Smallest part (bytes) a message is cut into on a gloo group of several devices."""
 
 Wait = Callable[[], None]
 """``wait()`` blocks until a posted exchange is done, and raises TransferError if it failed."""
@@ -119,6 +122,20 @@ class TorchComm(Comm):
             default the one ``torch.distributed.init_process_group`` set up
             (torchrun's rendezvous store).
 
+    On a gloo group of several devices (``GLOO_SOCKET_IFNAME=eth0,eth0,...``:
+    one TCP connection per pair per device, each served by its own thread),
+    a message of at least ``2 * PART_BYTES`` goes as up to one part per device,
+    part ``k`` with tag ``k``: torch's ``ProcessGroupGloo`` sends a message with
+    tag ``t`` over device ``t % devices``. Sender and receiver cut a message of
+    the same size alike, and every process of a gloo group has the same
+    devices (gloo connects each device's full mesh when the group is made).
+    ``bench/gloo_channels.py``: 2.2 to 2.7 times the bytes per second with 4
+    devices on a 16-core host.
+
+    Attributes:
+        devices: the gloo devices of ``group`` (1 for another backend, or where
+            torch does not say).
+
     Raises:
         TransferError: torch.distributed is not initialized.
     """
@@ -136,13 +153,24 @@ class TorchComm(Comm):
             get = getattr(pg, "get_group_store", None)
             store = get() if get is not None else dist.distributed_c10d._get_default_store()
         self.store = store
+        self.devices = _gloo_devices(pg) if self.device.type == "cpu" else 1
+
+    def _parts(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """``tensor`` as the parts it travels in (see the class): byte views, or itself whole."""
+        nbytes = tensor.numel() * tensor.element_size()
+        count = min(self.devices, nbytes // PART_BYTES)
+        if count < 2 or not tensor.is_contiguous():  # gloo refuses a non-contiguous tensor anyway
+            return [tensor]
+        return list(tensor.reshape(-1).view(torch.uint8).chunk(count))
 
     def _global(self, peer: int) -> int:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
     def start(self, sends, recvs) -> Wait:
-        ops = [dist.P2POp(dist.isend, t, self._global(p), self.group) for p, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for p, t in recvs]
+        ops = [dist.P2POp(dist.isend, part, self._global(p), self.group, tag=tag)
+               for p, t in sends for tag, part in enumerate(self._parts(t))]
+        ops += [dist.P2POp(dist.irecv, part, self._global(p), self.group, tag=tag)
+                for p, t in recvs for tag, part in enumerate(self._parts(t))]
         if not ops:
             return lambda: None
         peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
@@ -163,9 +191,11 @@ class TorchComm(Comm):
         return wait
 
     def abort(self) -> None:
-        """gloo: a timed-out wait makes gloo close every connection of the group (its own
-        "application timeout" path), so every operation in flight fails at once, here and at
-        the peers. Other backends: ``ProcessGroup.abort()`` (NCCL: ncclCommAbort; untested here)."""
+        """gloo: a timed-out wait makes gloo close every connection of the group's device it
+        was posted on (its own "application timeout" path), so every operation in flight there
+        fails at once, here and at the peers; one such wait per device (tags ``ABORT_TAG + k``
+        land on device ``(ABORT_TAG + k) % devices``). Other backends: ``ProcessGroup.abort()``
+        (NCCL: ncclCommAbort; untested here)."""
         if self.size < 2:
             return
         pg = self.group if self.group is not None else dist.group.WORLD
@@ -173,12 +203,16 @@ class TorchComm(Comm):
             if dist.get_backend(self.group) != "gloo":
                 pg.abort()
                 return
-            probe = torch.empty(1, dtype=torch.uint8)
-            work = dist.irecv(probe, src=self._global((self.rank + 1) % self.size), group=self.group,
-                              tag=ABORT_TAG)
-            work.wait(datetime.timedelta(milliseconds=1))
-        except Exception:  # the expected timeout (or a group already broken): nothing is left in flight
-            pass
+        except Exception:  # a group already broken: nothing is left in flight
+            return
+        for k in range(self.devices):
+            try:
+                probe = torch.empty(1, dtype=torch.uint8)
+                work = dist.irecv(probe, src=self._global((self.rank + 1) % self.size), group=self.group,
+                                  tag=ABORT_TAG + k)
+                work.wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # the expected timeout (or a device already broken)
+                pass
 
     def _failed(self, peers, exc) -> TransferError:
         return TransferError(f"process {self.rank}: transfer with peers {peers} failed: {first_line(exc)}")
@@ -210,3 +244,14 @@ def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {line[:300]}" if line else type(exc).__name__
+
+
+def _gloo_devices(pg) -> int:
+    """The devices of gloo group ``pg`` (its ``ProcessGroupGloo`` options), else 1."""
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+        if not isinstance(backend, dist.ProcessGroupGloo):
+            return 1
+        return max(1, len(backend.options._devices))
+    except (AttributeError, RuntimeError, TypeError):  # another backend, or a torch that does not say
+        return 1
