@@ -4,6 +4,7 @@ processes (slowest wall time, summed CPU time, raw point-to-point floors) and cP
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import resource
@@ -168,9 +169,15 @@ def p2p_exchange(sends, recvs) -> None:
     the live path's own transport (:class:`tenplex.transform.comm.TorchComm`: on a gloo group of
     several devices, large messages travel in parts over all of them), so that a floor and the
     live path move bytes alike."""
+    _comm().exchange(sends, recvs)
+
+
+@functools.lru_cache(maxsize=1)
+def _comm():
+    """The world group's :class:`~tenplex.transform.comm.TorchComm`, made once (not in a timed call)."""
     from tenplex.transform.comm import TorchComm
 
-    TorchComm().exchange(sends, recvs)
+    return TorchComm()
 
 
 def ring(nbytes: int, repeat: int) -> tuple[float, float]:

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import socket
+import tempfile
 import time
 
 import torch
@@ -102,7 +103,7 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        out = f"/tmp/gloo-channels-{os.getpid()}-{devices}.json"
+        out = os.path.join(tempfile.gettempdir(), f"gloo-channels-{os.getpid()}-{devices}.json")
         mp.spawn(_worker, args=(port, devices, args.repeat, out, ring, pattern), nprocs=WORLD)
         with open(out) as f:
             r = json.load(f)
