@@ -68,7 +68,7 @@ LAYERS.update({
     f"{MEGATRON}.demo": CORE | {f"{MEGATRON}.model", f"{MEGATRON}.live", f"{MEGATRON}.cpu_shim"},
     f"{MEGATRON}.commands": {f"{MEGATRON}.demo"},
 })
-LEAVES = {"tenplex.errors", "tenplex.units", "tenplex.limits"}
+LEAVES = {"tenplex.errors", "tenplex.units", "tenplex.limits", "tenplex.argtypes"}
 """Modules every layer may import (they import nothing of tenplex)."""
 
 

@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 
+from tenplex.argtypes import positive_int, positive_seconds
 from tenplex.cli.plugins import commands as plugin_commands
 from tenplex.errors import ConfigError, TenplexError, exhausted
 from tenplex.ptree.config import ParallelConfig
@@ -38,7 +39,7 @@ def _reshard_arguments(p: argparse.ArgumentParser) -> None:
                    help=TO_HELP + "; required except for a format with one layout (hf: tp = pp = ep = 1)")
     p.add_argument("--format", default=None,
                    help="output format (default: the source's); 'tenplex' or a plugin's name")
-    p.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
+    p.add_argument("--threads", type=positive_int, default=8, help="parallel reads (default 8)")
     p.add_argument("--hf-arch", default=None, metavar="FAMILY",
                    help="hf export: the model family (llama, qwen2, qwen3, mixtral, qwen3_moe; default: "
                         "inferred from the checkpoint's args)")
@@ -50,7 +51,7 @@ def _reshard_arguments(p: argparse.ArgumentParser) -> None:
                    help="Megatron key naming scheme of the output: megatron-core's local layer spec or "
                         "TransformerEngine's (default: the source's)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--timeout", type=float, default=30.0,
+    p.add_argument("--timeout", type=positive_seconds, default=30.0,
                    help="under torchrun: seconds a silent process may take before the reshard fails "
                         "on every process (default 30)")
 
@@ -63,7 +64,7 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--to", type=_config, required=True, metavar=TO_METAVAR, help=TO_HELP)
-    p.add_argument("--per-host", type=int, default=8, help="devices per host (default 8)")
+    p.add_argument("--per-host", type=positive_int, default=8, help="devices per host (default 8)")
     p.add_argument("--best-placement", action="store_true",
                    help="place the new ranks on devices to keep the most bytes in place")
     p.add_argument("--json", action="store_true")
@@ -73,16 +74,16 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--checksums", action="store_true",
                    help="also print an xxh3-128 digest of every file (plugin formats)")
-    p.add_argument("--threads", type=int, default=8, help="files checked at once (default 8)")
+    p.add_argument("--threads", type=positive_int, default=8, help="files checked at once (default 8)")
 
 
 def _example_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst")
     p.add_argument("--config", type=_config, default=ParallelConfig(dp=2, tp=2, pp=1),
                    metavar=TO_METAVAR)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--heads", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
 

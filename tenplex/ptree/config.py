@@ -328,22 +328,33 @@ class ParallelConfig:
         layer-to-stage assignment.
 
         Raises:
-            ConfigError: on an unknown key, a repeated key or a bad value.
+            ConfigError: on an empty text (a ``--to ""`` from an unset variable must not mean
+                one rank), an item that is not ``key=value``, an unknown key, a repeated key,
+                or a value that is not a decimal integer (layer counts ``a:b:...`` for ``stages``);
+                a degree out of range (see the constructor).
         """
         values: dict = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            match = re.fullmatch(r"(\w+)\s*=\s*([\d:]+)", item)
+        where = f"parallel config {short(text)}"
+        items = [part.strip() for part in text.split(",") if part.strip()]
+        if not items:
+            raise ConfigError(f"{where}: expected at least one degree, e.g. 'tp=2' ('dp=1' for one rank)")
+        for item in items:
+            match = re.fullmatch(r"(\w+)\s*=\s*(.*)", item)
             if not match:
-                raise ConfigError(f"parallel config {text!r}: expected key=value, got {item!r}")
+                raise ConfigError(f"{where}: expected key=value, got {short(item)}")
             key, value = match.groups()
+            if key not in _DEGREES and key != "stages":
+                raise ConfigError(f"{where}: unknown key {short(key)}; expected dp=, tp=, pp=, cp=, ep=, "
+                                  "etp=, vpp= (integers) or stages=a:b:...")
             if key in values or (key == "stages" and "stage_layers" in values):
-                raise ConfigError(f"parallel config {text!r}: {key} is given twice")
-            if key in _DEGREES and value.isdigit():
+                raise ConfigError(f"{where}: {key} is given twice")
+            if key == "stages":  # ASCII digits, at most 9 per count (int() of a long string is slow)
+                if not re.fullmatch(r"[0-9]{1,9}(:[0-9]{1,9})*", value):
+                    raise ConfigError(f"{where}: stages: expected layer counts a:b:..., found {short(value)}")
+                values["stage_layers"] = tuple(int(v) for v in value.split(":"))
+            elif re.fullmatch(r"[0-9]{1,18}", value):  # the constructor checks the range
                 values[key] = int(value)
-            elif key == "stages":
-                values["stage_layers"] = tuple(int(v) for v in value.split(":") if v)
             else:
-                raise ConfigError(
-                    f"parallel config {text!r}: unknown key or bad value {item!r}; expected "
-                    "dp=, tp=, pp=, cp=, ep=, etp=, vpp= (integers) or stages=a:b:...")
+                raise ConfigError(f"{where}: {key}: expected an integer from 1 to {MAX_DEGREE}, "
+                                  f"found {short(value)}")
         return cls(**values)

@@ -156,7 +156,8 @@ class StoreWriter:
             :meth:`~tenplex.transform.plan.Plan.dst_sharding`); built here otherwise.
 
     Raises:
-        AlreadyExistsError: if ``url`` holds a committed checkpoint.
+        AlreadyExistsError: if ``url`` holds a committed checkpoint, or (on a local root) ``url``
+            or its ``shards`` is something other than a directory.
         StoreError: ``block`` out of range.
     """
 
@@ -177,6 +178,11 @@ class StoreWriter:
         if self.root.exists(MANIFEST):
             raise AlreadyExistsError(f"{self.root}: a committed checkpoint exists; "
                                      "save to a new location (tenplex never overwrites in place)")
+        for key in ("", "shards"):  # checked here, not as an errno at the first write
+            full = self.root.key(key) if key else self.root.path
+            if self.root.local and os.path.lexists(full) and not os.path.isdir(full):
+                raise AlreadyExistsError(f"{self.root}{'/' + key if key else ''}: expected a directory "
+                                         "or a new path, found a file; save to a new location")
         self._existed = {k: self.root.fs.exists(self.root.key(k) if k else self.root.path)
                          for k in ("", "shards")}
         self._entries: dict[int, list[Entry]] = {}

@@ -57,7 +57,13 @@ class Placement:
         The placement remembers its rule (:meth:`contiguous_rule`), so a planner computes its
         device arrays by arithmetic, and its :attr:`devices` are made on first use (27 ms for
         16384 + 8192 ranks, more than an own-rank plan); they are distinct by construction.
+
+        Raises:
+            ConfigError: ``per_host`` < 1, ``world_size`` < 0 or ``first`` < 0.
         """
+        for name, value, low in (("per_host", per_host, 1), ("world_size", world_size, 0), ("first", first, 0)):
+            if isinstance(value, bool) or not hasattr(value, "__index__") or value < low:
+                raise ConfigError(f"Placement.contiguous: {name}: expected an integer >= {low}, found {value!r}")
         made = object.__new__(cls)
         object.__setattr__(made, "_rule", (per_host, first, world_size))
         return made

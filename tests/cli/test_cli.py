@@ -3,6 +3,7 @@
 import json
 import subprocess
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -61,6 +62,19 @@ def test_errors_exit_1_with_one_line(tmp_path, capsys):
     assert err == "tenplex plan: tp=3 does not divide num_query_groups=8 (model/layers/0/attention/qkv/weight)\n"
     assert main(["reshard", str(src), str(src), "--to", "tp=1"]) == 1
     assert "a committed checkpoint exists" in capsys.readouterr().err
+    (tmp_path / "file").write_bytes(b"kept")  # a file where the checkpoint should go: named, kept
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "shards").write_bytes(b"kept")
+    for dst in ("file", "dir/shards"):
+        assert main(["reshard", str(src), str(tmp_path / dst.split("/")[0]), "--to", "tp=1"]) == 1
+        assert capsys.readouterr().err == (f"tenplex reshard: {tmp_path / dst}: expected a directory or a new "
+                                           "path, found a file; save to a new location\n")
+        assert (tmp_path / dst).read_bytes() == b"kept"
+    assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == ["shards"]
+    with pytest.raises(SystemExit) as usage:  # an unset $TO is not one rank
+        main(["reshard", str(src), str(tmp_path / "x"), "--to", ""])
+    assert usage.value.code == 2 and "expected at least one degree" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     assert main(["inspect", str(tmp_path / "nothing")]) == 1
     assert "not a checkpoint of any known format" in capsys.readouterr().err
     assert main(["--debug", "inspect", str(tmp_path / "nothing")]) == 1
@@ -98,3 +112,22 @@ def test_the_error_line_reaches_stderr_in_one_write(tmp_path, monkeypatch):
     assert main(["inspect", str(tmp_path / "nothing")]) == 1
     assert len(writes.calls) == 1 and writes.calls[0].endswith("\n"), writes.calls
     assert writes.calls[0].startswith("tenplex inspect: ") and writes.calls[0].count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "SRC", "--to", "tp=1", "--per-host", "0"], "--per-host: expected an integer >= 1, found '0'"),
+    (["reshard", "SRC", "DST", "--to", "tp=1", "--threads", "-3"], "--threads: expected an integer >= 1"),
+    (["reshard", "SRC", "DST", "--to", "tp=1", "--timeout", "nan"], "--timeout: expected a finite number"),
+    (["reshard", "SRC", "DST", "--to", "tp=-1"], "tp: expected an integer from 1 to 65536, found '-1'"),
+    (["verify", "SRC", "--threads", "0"], "--threads: expected an integer >= 1"),
+    (["example", "DST", "--layers", "0"], "--layers: expected an integer >= 1"),
+    (["demo", "--steps", "0"], "--steps: expected an integer >= 1"),  # ran 25 s and reported 0 steps
+    (["demo", "--micro-batch", "0"], "--micro-batch: expected an integer >= 1"),  # ZeroDivisionError
+])
+def test_counts_below_one_are_usage_errors(argv, message, capsys, tmp_path, monkeypatch):
+    """Before, ``--per-host 0`` ended in a ZeroDivisionError, ``--threads 0`` was taken as 1, and the
+    demo ran its workers before failing on a batch or sequence of 0."""
+    monkeypatch.chdir(tmp_path)  # where a command that parses wrongly would write
+    with pytest.raises(SystemExit) as usage:
+        main(argv)
+    assert usage.value.code == 2 and message in capsys.readouterr().err

@@ -100,6 +100,14 @@ def test_parse():
                          ("xp=2", "unknown key"),
                          ("ep=0", "ep must be an integer >= 1"),
                          ("dp2", "expected key=value"),
+                         ("", "expected at least one degree"),  # --to "$UNSET" is not one rank
+                         (" , ", "expected at least one degree"),
+                         ("tp=-1", "tp: expected an integer from 1 to 65536, found '-1'"),
+                         ("dp=abc", "dp: expected an integer from 1 to 65536, found 'abc'"),
+                         ("tp=\u00b2", "tp: expected an integer"),  # a Unicode digit int() would take
+                         ("dp=" + "9" * 5000, "dp: expected an integer"),  # not int() of 5000 digits
+                         ("dp=99999999999", "dp must be an integer >= 1 and <= 65536"),
+                         ("pp=2,stages=1:3:", "stages: expected layer counts"),
                          ("pp=2,stages=1:2:3", "stage_layers must list pp=2"),
                          ("dp=2,ep=4", r"etp\*ep\*pp=4 does not divide the world size 2"),
                          ("dp=2,tp=2,etp=8", r"etp\*ep\*pp=8 does not divide the world size 4"),

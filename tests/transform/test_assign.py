@@ -3,10 +3,12 @@
 import tracemalloc
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linear_sum_assignment
 
+from tenplex.errors import ConfigError
 from tenplex.models import GPTSpec, gpt_tree
 from tenplex.ptree import ParallelConfig as P
 from tenplex.transform import Placement, best_placement, bytes_in_common, make_plan
@@ -153,3 +155,12 @@ def test_best_numbering_keeps_the_given_numbering_where_it_keeps_as_many_bytes()
                              seq_len=4, optimizer="distributed_adam"))
     assert best_numbering(wider, c, P(dp=2), src_of, range(4), given=[0, 1, None, None])[0] \
         != [0, 1, None, None]
+
+
+def test_contiguous_placement_refuses_a_host_of_no_devices():
+    """``tenplex plan --per-host 0`` ended in a ZeroDivisionError from the placement's arithmetic."""
+    for kwargs, name in [(dict(per_host=0), "per_host"), (dict(per_host=-2), "per_host"),
+                         (dict(first=-1), "first"), (dict(per_host=2.5), "per_host")]:
+        with pytest.raises(ConfigError, match=f"Placement.contiguous: {name}: expected an integer"):
+            Placement.contiguous(8, **kwargs)
+    assert len(Placement.contiguous(np.int64(4), per_host=np.int64(2)).devices) == 4

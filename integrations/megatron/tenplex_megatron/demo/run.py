@@ -16,6 +16,7 @@ import json
 import time
 from dataclasses import asdict
 
+from tenplex.argtypes import positive_int
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.model.config import MegatronConfig
@@ -37,19 +38,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(prog="tenplex demo", description=__doc__.splitlines()[0])
     p.add_argument("--schedule", default=DEFAULT_SCHEDULE,
                    help=f"phases 'dp=D,tp=T,pp=P:STEPS;...' (default {DEFAULT_SCHEDULE})")
-    p.add_argument("--steps", type=int, default=None, help="steps per phase (overrides the schedule's)")
+    p.add_argument("--steps", type=positive_int, default=None, help="steps per phase (overrides the schedule's)")
     p.add_argument("--model", choices=sorted(MODELS), default="small")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="parameter dtype (bf16: fp32 main params in the optimizer; default fp32)")
-    p.add_argument("--batch", type=int, default=8, help="global batch size in samples (default 8)")
-    p.add_argument("--micro-batch", type=int, default=2, help="micro-batch size in samples (default 2)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length in bytes (default 64)")
+    p.add_argument("--batch", type=positive_int, default=8, help="global batch size in samples (default 8)")
+    p.add_argument("--micro-batch", type=positive_int, default=2, help="micro-batch size in samples (default 2)")
+    p.add_argument("--seq", type=positive_int, default=64, help="sequence length in bytes (default 64)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default="tenplex-demo", help="output directory (default ./tenplex-demo)")
     p.add_argument("--static", default=None, help="the two static configs, 'A;B' "
                    "(default: the first and the last phase's configs)")
-    p.add_argument("--max-workers", type=int, default=None,
+    p.add_argument("--max-workers", type=positive_int, default=None,
                    help=f"workers this machine may hold (default 2 per core: {capacity()})")
     p.add_argument("--no-plot", action="store_true")
     return p
