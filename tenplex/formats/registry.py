@@ -14,6 +14,7 @@ from tenplex.errors import ConfigError, ManifestError
 from tenplex.formats.protocol import Format
 from tenplex.formats.store import TENPLEX, TenplexFormat
 from tenplex.store.manifest import MANIFEST
+from tenplex.store.url import StoreRoot, translate_errors
 
 __all__ = ["formats", "get_format", "detect", "broken"]
 
@@ -82,6 +83,8 @@ def detect(path: str) -> Format:
     """The format of the checkpoint at ``path`` (the tenplex store is asked first).
 
     Raises:
+        StoreError: ``path`` cannot be reached (no credentials, an fsspec protocol whose
+            package is missing, a refused connection): the backend's error, not "not a checkpoint".
         ManifestError: no installed format recognizes it.
     """
     store = TenplexFormat()
@@ -91,6 +94,18 @@ def detect(path: str) -> Format:
     for fmt in known.values():
         if fmt.detect(path):
             return fmt
+    _reachable(path)
     bad = "".join(f"; plugin {n} does not load ({why})" for n, why in broken().items())
     raise ManifestError(f"{path}: not a checkpoint of any known format ({', '.join(known)}); "
                         f"a tenplex checkpoint has a {MANIFEST}{bad}")
+
+
+def _reachable(path: str) -> None:
+    """Raise the backend's StoreError if ``path`` cannot be asked whether it exists.
+
+    Formats' ``detect`` answers only yes or no (a backend error is a no), so this asks once more
+    where none said yes, to tell "not a checkpoint" from "cannot look".
+    """
+    root = StoreRoot(path)
+    with translate_errors(str(path)):
+        root.fs.exists(root.path)

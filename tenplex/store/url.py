@@ -98,7 +98,14 @@ class StoreRoot:
 
 @contextlib.contextmanager
 def translate_errors(what: str) -> Iterator[None]:
-    """Re-raise backend OS errors (other than tenplex's own) as StoreError naming ``what``."""
+    """Re-raise backend errors as StoreError naming ``what``.
+
+    Translated: OS errors (other than tenplex's own and ``FileNotFoundError``), and the
+    exceptions of storage libraries that are not OS errors (botocore's
+    ``NoCredentialsError`` under s3fs, for one: it reached the user bare, naming no path).
+    An exception class defined by Python, tenplex, numpy or torch passes unchanged (a
+    bug stays a bug; a ``MemoryError`` stays one).
+    """
     try:
         yield
     except (StoreError, PathError):
@@ -107,3 +114,11 @@ def translate_errors(what: str) -> Iterator[None]:
         raise
     except OSError as exc:
         raise StoreError(f"{what}: {exc}") from exc
+    except Exception as exc:
+        if type(exc).__module__.partition(".")[0] in _NOT_BACKENDS:
+            raise
+        raise StoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+_NOT_BACKENDS = frozenset({"builtins", "tenplex", "numpy", "torch"})
+"""Top-level modules whose exceptions :func:`translate_errors` lets through."""
