@@ -83,8 +83,8 @@ def detect(path: str) -> Format:
     """The format of the checkpoint at ``path`` (the tenplex store is asked first).
 
     Raises:
-        StoreError: ``path`` cannot be reached (no credentials, an fsspec protocol whose
-            package is missing, a refused connection): the backend's error, not "not a checkpoint".
+        StoreError: the backend cannot look at ``path`` (no credentials, an fsspec protocol
+            whose package is missing): its error, not "not a checkpoint".
         ManifestError: no installed format recognizes it.
     """
     store = TenplexFormat()

@@ -348,7 +348,7 @@ class ParallelConfig:
                                   "etp=, vpp= (integers) or stages=a:b:...")
             if key in values or (key == "stages" and "stage_layers" in values):
                 raise ConfigError(f"{where}: {key} is given twice")
-            if key == "stages":  # ASCII digits, at most 9 per count (int() of a long string is slow)
+            if key == "stages":  # ASCII digits, at most 9 per count (int() refuses over 4300 digits)
                 if not re.fullmatch(r"[0-9]{1,9}(:[0-9]{1,9})*", value):
                     raise ConfigError(f"{where}: stages: expected layer counts a:b:..., found {short(value)}")
                 values["stage_layers"] = tuple(int(v) for v in value.split(":"))
