@@ -68,7 +68,7 @@ def parse_size(value: int | str | None) -> int:
         unit = next((u for u in units if text.endswith(u)), "")
         try:
             n = int(float(text[: len(text) - len(unit)]) * units.get(unit, 1))
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: "inf", "1e400GB"
             raise ConfigError(f"--max-shard-size {value!r}: expected bytes or a size like 5GB") from None
     if n <= 0:
         raise ConfigError(f"--max-shard-size {value!r}: must be positive")

@@ -162,7 +162,7 @@ def test_fields_come_from_args_with_megatron_defaults():
 def test_shard_sizes():
     assert parse_size(None) == 5_000_000_000 and parse_size("500MB") == 500_000_000
     assert parse_size("2GiB") == 2 << 30 and parse_size(1234) == 1234
-    for bad in ("lots", "-1GB", 0):
+    for bad in ("lots", "-1GB", 0, "inf", "1e400GB", "nan"):  # inf: an OverflowError before
         with pytest.raises(ConfigError):
             parse_size(bad)
 
