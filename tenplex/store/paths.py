@@ -34,14 +34,19 @@ def _cut(text: str, limit: int = 400) -> str:
 
 
 def resolve_inside(root: str, path: str, what: str | None = None) -> str:
-    """``path`` (absolute, or relative to ``root``) resolved through symlinks, checked to lie in ``root``.
+    """``path`` resolved through symlinks, checked to lie in ``root``.
+
+    ``path`` is the full path of the file (``root`` joined with its name), absolute or
+    relative to the working directory as ``root`` may be: ``tenplex inspect ckpt/legacy``
+    gives ``root="ckpt/legacy"`` and ``path="ckpt/legacy/latest_checkpointed_iteration.txt"``.
+    (Joining a relative ``path`` to ``root`` once more looked for ``ckpt/legacy/ckpt/legacy/...``:
+    every Megatron and Hugging Face checkpoint named by a relative path was "not a checkpoint".)
 
     Raises:
         PathError: the resolved path is ``root`` itself or lies outside the resolved ``root``.
     """
     what = what or path
-    full = path if os.path.isabs(path) else os.path.join(root, path)
-    real, real_root = os.path.realpath(full), os.path.realpath(root)
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
     if real == real_root or os.path.commonpath([real, real_root]) != real_root:
         raise PathError(f"{_cut(what)}: resolves to {_cut(real)}, outside the checkpoint "
                         f"directory {_cut(real_root)}; tenplex reads no file outside it")
