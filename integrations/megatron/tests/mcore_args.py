@@ -52,6 +52,8 @@ def _action_flags(add) -> None:
     add("--save-dir", default=None)
     add("--dist-args", choices=["on", "off"], default="on", help="args in a dist checkpoint's common.pt")
     add("--save-rng", action="store_true", help="dist saves: the rng_state ShardedObject on the (pp, tp) grid")
+    add("--fully-parallel-save", action="store_true",
+        help="dist saves: Megatron-LM's default --ckpt-fully-parallel-save (the dp-cp ranks share the writing)")
     add("--dist-layout", choices=["bare", "megatron"], default="bare",
         help="dist saves: a bare folder, or SAVE_DIR/iter_NNNNNNN and the tracker (Megatron-LM's --save)")
     add("--legacy-writer", choices=["expert_dp0", "dp0"], default="expert_dp0")

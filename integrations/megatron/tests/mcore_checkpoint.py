@@ -246,12 +246,25 @@ class CheckpointMixin:
         if self.a.dist_args == "on":
             sd["args"] = self.megatron_args()
             sd["checkpoint_version"] = 3.0
-        dist_checkpointing.save(sd, root, content_metadata=_clean_md(md))
+        dist_checkpointing.save(sd, root, self.save_strategy(), content_metadata=_clean_md(md))
         self.dist.barrier()
         if save_root != root and self.dist.get_rank() == 0:
             write_tracker(save_root, self.a.iteration)
         self.dist.barrier()
         log0(f"TIME save_dist {time.time() - t:.2f}")
+
+    def save_strategy(self):
+        """Megatron-LM's ``save_checkpoint`` for torch_dist (core_v0.16.1 to 0.19.2): the default
+        strategy, wrapped by ``FullyParallelSaveStrategyWrapper`` on the dp-cp group when
+        ``--ckpt-fully-parallel-save`` (its default), so that each replica's writing is spread over
+        the data-parallel ranks; None (``dist_checkpointing.save``'s default) otherwise."""
+        if not self.a.fully_parallel_save:
+            return None
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                                self.ps.get_data_parallel_group(with_context_parallel=True))
 
     def _adapt_chained(self, opt_sd):
         """Fit a loaded common.pt optimizer entry to this run's chained optimizers

@@ -4,6 +4,9 @@ The model (``MODEL``): 4 layers, SequentialMLP with 4 experts, top-2 routing,
 GQA + SwiGLU, RoPE, untied embeddings. A source is saved by megatron-core
 after 2 training steps in both formats (``legacy/``, ``dist/``), with its
 logits (``ref.pt``) and 2 more steps (the static run's losses 3 and 4).
+The ``torch_dist`` save is Megatron-LM's default, ``--ckpt-fully-parallel-save``:
+the data-parallel ranks share the writing of the tensors they replicate, so a
+replicated tensor lies in any rank's file (``FullyParallelSaveStrategyWrapper``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def source_cache(root):
         if (n, flags) not in cache:
             d = root / "_".join(["w" + str(n)] + flags.replace("--", "").split()).replace("[", "").replace("]", "")
             out = run_moe(n, flags, "--train-steps", "2", "--save", "both", "--save-dir", str(d),
+                          "--fully-parallel-save",
                           "--logits-out", str(d / "ref.pt"), "--train-after-save", "2")
             static = losses(out)
             assert len(static) == 4, out
