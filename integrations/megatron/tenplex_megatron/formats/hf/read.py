@@ -14,6 +14,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tenplex.errors import ConfigError, ManifestError
@@ -28,6 +29,7 @@ from tenplex_megatron.formats.hf.family import TRANSFORMS, Transform, generic_ke
 from tenplex_megatron.formats.hf.fields import ModelFields
 from tenplex_megatron.formats.hf.hfconfig import args_from_config
 from tenplex_megatron.formats.hf.hfdir import StoredTensor, read_config, tensors
+from tenplex_megatron.formats.hf.rows import PARTIAL_MIN_BYTES, read_exact, read_runs, row_map
 from tenplex_megatron.formats.hf.mapping import geometry
 from tenplex_megatron.formats.source import MegatronSource
 from tenplex_megatron.model.config import MegatronConfig, args_to_json
@@ -129,7 +131,14 @@ class HFSource(MegatronSource):
         return record
 
     def fetch(self, record: _Record, starts, ends) -> tuple[torch.Tensor, int]:
-        """The whole Megatron tensor of ``record`` (its HF tensors read whole), and the bytes read."""
+        """The Megatron tensor of ``record`` with at least the byte runs ``[starts, ends)`` read, and the
+        bytes read: only the HF rows and columns the runs need where the transform just moves rows
+        (:mod:`.rows`), otherwise (or without runs, or for a small record) its HF tensors read whole."""
+        if starts is not None and len(starts) and sum(t.end - t.start for t in record.parts) >= PARTIAL_MIN_BYTES:
+            codes = row_map(record, self.geo)  # computed per read (cheap), not kept: bounded memory
+            if codes is not None:
+                return read_runs(record, codes, np.asarray(starts, np.int64), np.asarray(ends, np.int64),
+                                 self.dtype)
         parts = [_read(t).to(self.dtype) for t in record.parts]
         n = sum(t.end - t.start for t in record.parts)
         t = record.transform
@@ -151,15 +160,16 @@ class HFSource(MegatronSource):
 
 
 def _read(t: StoredTensor) -> torch.Tensor:
-    """One stored tensor, read by its byte range."""
+    """One stored tensor, read by its byte range (unbuffered: exactly its bytes)."""
     out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
-    view = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
-    f, _ = open_regular(t.file, t.file, root=os.path.dirname(t.file))  # the one path rule
+    view = out.view(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, np.uint8)
+    if len(view) != t.end - t.start:
+        raise ManifestError(f"{t.file}: tensor {t.name} should have {t.end - t.start} bytes, its shape "
+                            f"{tuple(t.shape)} holds {len(view)}")
+    f, _ = open_regular(t.file, t.file, buffering=0, root=os.path.dirname(t.file))  # the one path rule
     with f:
         f.seek(t.start)
-        got = f.readinto(memoryview(view)) if view is not None else 0
-    if got != t.end - t.start:
-        raise ManifestError(f"{t.file}: tensor {t.name} should have {t.end - t.start} bytes, read {got}")
+        read_exact(f, memoryview(view), t, 0)
     return out
 
 
