@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-__all__ = ["DEFAULT_BLOCK", "MERGE_GAP", "BlockHasher", "digest", "box_runs", "needed_blocks", "coalesce"]
+__all__ = ["DEFAULT_BLOCK", "MERGE_GAP", "BlockHasher", "digest", "box_runs", "needed_blocks", "coalesce",
+           "union_runs"]
 
 DEFAULT_BLOCK = 1 << 20
 """Checksum block size in bytes (1 MiB)."""
@@ -83,6 +84,20 @@ def box_runs(view: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, 
     return np.sort(starts), int(length)
 
 
+def union_runs(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the runs ``[starts, ends)`` (int64 arrays): sorted, disjoint runs; runs that
+    overlap or touch are joined."""
+    if len(starts) <= 1:
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    heads = np.flatnonzero(new)  # each group of overlapping runs is contiguous once sorted
+    return s[heads], np.maximum.reduceat(e, heads)  # not ``np.maximum.at``: about 20x slower per element
+
+
 def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: int) -> np.ndarray:
     """Indices (ascending) of the ``block``-byte blocks that byte ranges ``[starts, ends)`` touch."""
     nblocks = -(-file_size // block)
@@ -96,15 +111,8 @@ def needed_blocks(starts: np.ndarray, ends: np.ndarray, block: int, file_size: i
     # each run's blocks are [first, last]: sort by first, merge overlapping ones, then list them.
     # The cost follows the runs and the blocks they touch, not the file's size (a count over
     # every block of the file cost 0.4 ms per read of a 100 GiB file in 1 MiB blocks)
-    first, last = starts // block, (ends - 1) // block
-    if len(first) > 1:
-        order = np.argsort(first, kind="stable")
-        first, last = first[order], last[order]
-        reach = np.maximum.accumulate(last)
-        new = np.ones(len(first), dtype=bool)
-        new[1:] = first[1:] > reach[:-1]
-        heads = np.flatnonzero(new)
-        first, last = first[heads], np.maximum.reduceat(last, heads)
+    first, stop = union_runs(starts // block, (ends - 1) // block + 1)
+    last = stop - 1
     counts = last - first + 1
     offsets = np.repeat(first - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
     return np.arange(int(counts.sum()), dtype=np.int64) + offsets

@@ -25,6 +25,7 @@ import torch
 
 from tenplex.errors import ManifestError
 from tenplex.ptree.tree import torch_dtype
+from tenplex.store.blocks import union_runs
 from tenplex.store.paths import open_regular
 
 from tenplex_megatron.formats.hf import transforms as tf
@@ -69,17 +70,6 @@ def row_map(record, geo: tf.Geometry) -> np.ndarray | None:
     return out.numpy()
 
 
-def _merge(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of runs ``[starts, ends)``, sorted and disjoint."""
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    reach = np.maximum.accumulate(e)
-    new = np.ones(len(s), dtype=bool)
-    new[1:] = s[1:] > reach[:-1]
-    firsts = np.flatnonzero(new)
-    return s[firsts], np.maximum.reduceat(e, firsts)
-
-
 def segments(codes: np.ndarray, cols: int, starts: np.ndarray, ends: np.ndarray):
     """Element runs ``[starts, ends)`` of the Megatron tensor as reads from the HF parts.
 
@@ -92,7 +82,7 @@ def segments(codes: np.ndarray, cols: int, starts: np.ndarray, ends: np.ndarray)
         ``src`` go to element ``dst`` of the Megatron tensor (``part`` -1: zeros).
         Runs next to each other at both ends are merged.
     """
-    s, e = _merge(starts, ends)
+    s, e = union_runs(starts, ends)
     first, last = s // cols, (e - 1) // cols
     counts = last - first + 1
     run = np.repeat(np.arange(len(s)), counts)
