@@ -6,7 +6,8 @@ installs megatron-core 0.19.2 in a virtual environment of its own (``--system-si
 torch 2.13.0 and the CPU shim are shared; cached in the temp directory), as
 docs/megatron.md says: ``pip install --no-deps --ignore-requires-python megatron-core==0.19.2`` and
 ``triton==3.7.1`` (0.19.2 imports triton without declaring it). Then 0.19.2's own save makes
-legacy and torch_dist checkpoints of a dense GPT and of an MoE GPT (4 experts, ep 2); tenplex (with
+legacy and torch_dist checkpoints of a dense GPT and of an MoE GPT (4 experts, ep 2, dp 2, saved as
+Megatron-LM saves by default: ``--ckpt-fully-parallel-save``); tenplex (with
 0.16.1 beside it, which it does not import) reshards them to both formats, and 0.19.2 loads every
 output (tracker, then the iteration folder) with the source's logits within 2e-6.
 
@@ -70,7 +71,7 @@ def saved(tmp_path_factory):
     run(python, "mcore_worker.py", 2, DENSE, "--tp", "2", "--save", "both", "--dist-layout", "megatron",
         "--save-dir", str(d / "dense"), "--logits-out", str(d / "dense.pt"))
     run(python, "moe_worker.py", 2, MOE, "--ep", "2", "--save", "both", "--save-dir", str(d / "moe"),
-        "--logits-out", str(d / "moe.pt"))
+        "--logits-out", str(d / "moe.pt"), "--fully-parallel-save")  # Megatron-LM's default, at dp 2
     dist = d / "dense" / "dist" / "iter_0000010"
     assert not (dist / "common.pt").exists() and not (d / "moe" / "dist" / "common.pt").exists()
     assert "common_backend" not in (dist / "metadata.json").read_text()  # 0.19's own form
