@@ -38,7 +38,14 @@ def stage_counts(num_layers: int, pp: int, stage_layers: tuple[int, ...] | None,
                               f"{sum(stage_layers)}, expected num_layers={num_layers}")
         return stage_layers
     if num_layers % pp:
-        raise ConfigError(f"pp={pp} does not divide num_layers={num_layers}")
+        hint = ""
+        if num_layers >= pp:  # the remainder on the first and last stages, which Megatron-LM can express
+            q, r = divmod(num_layers, pp)  # (--decoder-first/last-pipeline-num-layers): 3:2:2:3 for 10 on 4
+            counts = [q] * pp
+            counts[0] += r - r // 2
+            counts[-1] += r // 2
+            hint = "; give each stage's layers, e.g. stages=" + ":".join(map(str, counts))
+        raise ConfigError(f"pp={pp} does not divide num_layers={num_layers}{hint}")
     return (num_layers // pp,) * pp
 
 

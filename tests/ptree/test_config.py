@@ -160,6 +160,24 @@ def test_virtual_pipeline_chunks_hand_checked():
         ParallelConfig(pp=2, vpp=3).check_layers(4)
 
 
+@given(layers=st.integers(1, 200), pp=st.integers(2, 64))
+def test_an_uneven_split_suggests_stages_megatron_can_express(layers, pp):
+    """pp that does not divide the layers: the error names stages that sum to them, every stage
+    non-empty, the middle ones equal (Megatron-LM's --decoder-first/last-pipeline-num-layers)."""
+    assume(layers % pp)
+    tree = gpt_tree(GPTSpec(num_layers=layers, heads=8, query_groups=8, hidden=64, ffn=96))
+    with pytest.raises(ConfigError, match=rf"pp={pp} does not divide num_layers={layers}") as err:
+        tree.validate(ParallelConfig(pp=pp))
+    if layers < pp:
+        assert "stages=" not in str(err.value)
+        return
+    hint = str(err.value).split("stages=")[1]
+    stages = tuple(int(n) for n in hint.split(":"))
+    assert sum(stages) == layers and len(stages) == pp and min(stages) >= 1
+    assert len(set(stages[1:-1])) <= 1
+    tree.validate(ParallelConfig.parse(f"pp={pp},stages={hint}"))
+
+
 def test_validation_names_the_constraint():
     tree = gpt_tree(GPTSpec(num_layers=4, heads=8, query_groups=8, hidden=64, ffn=96))
     with pytest.raises(ConfigError, match=r"tp=3 does not divide num_query_groups=8"):
