@@ -19,6 +19,12 @@ A format is an object with a ``name`` and five calls, made in this order
 5. ``verify(path, **options) -> VerifyResult``: the files on disk checked
    against their own checksums, without loading the checkpoint.
 
+A format may also offer ``why_not(path) -> str | None``: where ``detect``
+said no but ``path`` looks like one of its checkpoints that cannot be read
+(a Megatron ``--save`` root whose tracker names a missing folder), the
+fault, which the registry raises instead of "not a checkpoint"; None
+otherwise. Like ``detect``, it reads little and raises nothing.
+
 A format may also offer ``reshard(src, dst, to, **options) -> WriteResult |
 None``: a direct reshard within the format (for files that hold model-space
 tensors); None when it cannot, and the caller then goes through the planner.

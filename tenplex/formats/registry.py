@@ -85,7 +85,8 @@ def detect(path: str) -> Format:
     Raises:
         StoreError: the backend cannot look at ``path`` (no credentials, an fsspec protocol
             whose package is missing): its error, not "not a checkpoint".
-        ManifestError: no installed format recognizes it.
+        ManifestError: no installed format recognizes it; or one says why it cannot read it
+            (its ``why_not``: a Megatron ``--save`` root whose tracker names a missing folder).
     """
     store = TenplexFormat()
     if store.detect(path):  # asked first anyway: a tenplex store needs no plugin imported
@@ -95,6 +96,11 @@ def detect(path: str) -> Format:
         if fmt.detect(path):
             return fmt
     _reachable(path)
+    for fmt in known.values():  # one that half recognizes it says what is wrong (see the protocol)
+        why = getattr(fmt, "why_not", None)
+        reason = why(path) if why is not None else None
+        if reason:
+            raise ManifestError(reason)
     bad = "".join(f"; plugin {n} does not load ({why})" for n, why in broken().items())
     raise ManifestError(f"{path}: not a checkpoint of any known format ({', '.join(known)}); "
                         f"a tenplex checkpoint has a {MANIFEST}{bad}")

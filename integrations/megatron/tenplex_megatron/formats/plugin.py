@@ -25,7 +25,7 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron.formats.dist.keys import is_dist
 from tenplex_megatron.formats.options import model_config as _model_config
 from tenplex_megatron.formats.records import description as _description, verified, written as _written
-from tenplex_megatron.formats.legacy.read import is_legacy
+from tenplex_megatron.formats.legacy.read import is_legacy, save_root_fault
 
 # The readers and writers are imported where they are used: loading the plugin (every CLI
 # call) then costs no torch.distributed.checkpoint import (~0.7 s) unless a command needs it.
@@ -61,6 +61,13 @@ class _Legacy:
     @staticmethod
     def detect(path: str) -> bool:
         return os.path.isdir(path) and is_legacy(path)
+
+    @staticmethod
+    def why_not(path: str) -> str | None:
+        """For a ``--save`` root (it has the tracker file) that no format claimed, what is wrong: the
+        tracker names a missing folder or is not a number (:func:`~tenplex_megatron.formats.folders.locate`),
+        or the folder holds neither ``mp_rank_*`` folders nor a ``torch_dist`` ``metadata.json``."""
+        return save_root_fault(path)
 
     @staticmethod
     def describe(path: str, **options) -> Description:

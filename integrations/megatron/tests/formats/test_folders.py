@@ -8,6 +8,7 @@ from tenplex_megatron.formats.plugin import _iteration
 
 
 def _root(tmp_path, *iterations, tracker=None):
+    tmp_path.mkdir(exist_ok=True)
     for it in iterations:
         (tmp_path / ("release" if it == "release" else f"iter_{it:07d}")).mkdir()
     if tracker is not None:
@@ -54,3 +55,27 @@ def test_the_iteration_option():
     assert _iteration({"iteration": "release"}) == "release" and _iteration({"iteration": 3}) == 3
     with pytest.raises(ConfigError, match="--iteration -1"):
         _iteration({"iteration": -1})
+
+
+@pytest.mark.parametrize("tracker,folders,expected", [
+    ("11", [10], r"iter_0000011: the iteration folder named by latest_checkpointed_iteration.txt is missing "
+                 r"\(iteration folders present: \[10\]\)"),
+    ("", [10], r"latest_checkpointed_iteration.txt: expected an iteration number or 'release', found ''"),
+    ("10", [10], r"iter_0000010: not a Megatron checkpoint folder: expected mp_rank_\* directories "
+                 r"\(--ckpt-format torch\) or a metadata.json saying torch_dist .*, found 'notes.txt'"),
+])
+def test_the_cli_names_what_is_wrong_with_a_save_root(tmp_path, tracker, folders, expected):
+    """A --save root whose tracker names no readable folder is not 'not a checkpoint of any known format':
+    every command names the fault (on the old code, each case was "not a checkpoint")."""
+    import re
+
+    from inprocess_cli import tenplex
+
+    root = _root(tmp_path / "save", *folders)
+    (tmp_path / "save" / TRACKER).write_text(tracker)
+    (tmp_path / "save" / "iter_0000010" / "notes.txt").write_text("not a checkpoint")
+    for args in (["inspect", root], ["plan", root, "--to", "tp=1"], ["reshard", root, str(tmp_path / "out"),
+                                                                     "--to", "tp=1"]):
+        done = tenplex(*args)
+        assert done.returncode == 1 and re.search(expected, done.stderr), (args, done.stderr)
+        assert not (tmp_path / "out").exists()

@@ -20,6 +20,7 @@ import os
 import re
 
 from tenplex.errors import ConfigError, ManifestError
+from tenplex.limits import short
 from tenplex.ptree.config import ParallelConfig
 
 from tenplex_megatron.model.parallel import arg as _arg, parallel_config
@@ -35,6 +36,13 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int
             + (f"_{ep_rank:03d}" if ep > 1 else ""))
 
 
+def _listing(folder: str, most: int = 6) -> str:
+    """What ``folder`` holds, for an error: its first names (each cut to 40 characters, as repr shows them)."""
+    names = sorted(os.listdir(folder))
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(short(n, 40) for n in names[:most]) + more if names else "nothing"
+
+
 def rank_dirs(iter_dir: str) -> dict[tuple[int, ...], str]:
     """``{(TT, [NNN, [NNN]]): path}`` of the ``mp_rank_*`` directories, numbers as named."""
     if not os.path.isdir(iter_dir):
@@ -44,8 +52,10 @@ def rank_dirs(iter_dir: str) -> dict[tuple[int, ...], str]:
         m = _RANK_DIR.match(name)
         if m:
             found[tuple(int(g) for g in m.groups() if g is not None)] = os.path.join(iter_dir, name)
-    if not found:
-        raise ManifestError(f"{iter_dir}: no mp_rank_* directories")
+    if not found:  # nor a torch_dist folder (the dist format would have claimed it): say which parts lack
+        raise ManifestError(f"{iter_dir}: not a Megatron checkpoint folder: expected mp_rank_* directories "
+                            "(--ckpt-format torch) or a metadata.json saying torch_dist (--ckpt-format "
+                            f"torch_dist), found {_listing(iter_dir)}")
     return found
 
 

@@ -64,6 +64,20 @@ def is_legacy(path: str) -> bool:
         return False
 
 
+def save_root_fault(path: str) -> str | None:
+    """What keeps the Megatron ``--save`` root ``path`` (a folder with the tracker file) from being read,
+    or None (not such a root, or nothing found wrong here). Raises nothing."""
+    if not os.path.isfile(os.path.join(path, TRACKER)):
+        return None
+    try:
+        rank_dirs(locate(path).dir)
+    except TenplexError as err:
+        return str(err)
+    except OSError:
+        return None
+    return None
+
+
 def _iteration_dir(root: str, iteration=None) -> tuple[str, int | str | None]:
     found = locate(root, iteration)
     return found.dir, found.iteration
