@@ -189,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("tenplex: interrupted")
         return 130
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # the reader of the output went away (``tenplex inspect X | head -1``): nothing to report,
+        # and stdout points at /dev/null so that the final flush does not fail again (Python's
+        # documentation, "Note on SIGPIPE"); the exit status says the output was cut
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:  # the CLI boundary: every failure is one line
         if args.debug:
             traceback.print_exc()
@@ -199,6 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc).splitlines()[0] if str(exc) else repr(exc)
         _say(f"tenplex {args.command}: {name}{message}")
         return 1
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (``POLLERR`` on the writing end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's StringIO), no poll
+        return False
 
 
 def run() -> None:

@@ -89,6 +89,22 @@ def test_usage_errors_exit_2_from_the_console_script(tmp_path):
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_a_closed_output_pipe_ends_quietly(tmp_path):
+    """``tenplex inspect X | head -1``: the reader goes away; no 'BrokenPipeError' line, exit 1 (Python's
+    "Note on SIGPIPE"). The pipe's reading end is closed before the command writes, so every run sees it."""
+    import os
+
+    assert main(["example", str(tmp_path / "ex"), "--layers", "2", "--hidden", "64", "--heads", "4"]) == 0
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(["tenplex", "inspect", str(tmp_path / "ex")], stdout=write, stderr=subprocess.PIPE,
+                              text=True)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")
+
+
 class _Writes:
     """A stderr that records each write call (as an unbuffered stream passes them on)."""
 
