@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         # the reader of the output went away (``tenplex inspect X | head -1``): nothing to report,
         # and stdout points at /dev/null so that the final flush does not fail again (Python's
         # documentation, "Note on SIGPIPE"); the exit status says the output was cut
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 1
     except Exception as exc:  # the CLI boundary: every failure is one line
         if args.debug:

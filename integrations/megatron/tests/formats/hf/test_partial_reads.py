@@ -15,6 +15,8 @@ q/k norms and experts):
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -108,7 +110,7 @@ def test_import_reads_each_needed_byte_once(wide, tmp_path, monkeypatch, name, f
         done = tenplex("reshard", str(src), str(tmp_path / "out"), "--to", to, "--format", fmt, "--json")
     assert done.returncode == 0, done.stderr
     report = [line for line in done.stdout.splitlines() if line.startswith("{")][-1]
-    needed = __import__("json").loads(report)["bytes_needed"]
+    needed = json.loads(report)["bytes_needed"]
     assert counter.uncounted == 0
     assert counter.bytes <= 1.05 * needed, (counter.bytes, needed)
     monkeypatch.setattr(hf_read, "PARTIAL_MIN_BYTES", float("inf"))  # every HF tensor read whole
