@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -24,6 +24,7 @@ from tenplex.store.execute import StorePlanRunner, target_values
 from tenplex.transform.planner import make_plan
 
 from tenplex_megatron.formats.common import TargetValues
+from tenplex_megatron.formats.siblings import SiblingLeaves, Stopped
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import check_attention_tp
 from tenplex_megatron.torchfiles.jsonable import from_jsonable
@@ -90,6 +91,7 @@ class TargetBuilder:
                               src_sharding=source.sharding)
         check_attention_tp(megatron_meta(source)[0], to.tp)
         self.runner = StorePlanRunner(source, self.plan, self.threads)
+        self.siblings = SiblingLeaves(self.runner, to)
         self._values = None
         self._pool = ThreadPoolExecutor(self.threads)
         self.progress, self.built, self._lock = progress, 0, threading.Lock()
@@ -122,7 +124,42 @@ class TargetBuilder:
                 out[path] = {leaf.key(self.plan.dst, r): per_rank[r][path] for r in want}
         return out
 
+    def share(self, groups) -> None:
+        """Build each leaf once for a group of sibling ranks (:class:`SiblingLeaves`): ``groups``
+        are sets of target ranks whose files the caller writes at the same time, in the same
+        leaf order (:func:`~tenplex_megatron.formats.siblings.tp_siblings`). A rank's
+        :meth:`stream` then builds ahead within the budget over the group's size."""
+        self.siblings.group(groups)
+
+    def at_once(self, jobs: list[tuple[int, Callable]]) -> list:
+        """Run ``jobs`` (``[(rank, fn)]``, one file writer each) at the same time, their ranks
+        siblings (:meth:`share`); their results in order. When one fails (or the calling thread
+        is interrupted, as by torchrun's SIGTERM), the others stop at their next leaf.
+
+        Raises:
+            The first failed job's error (in ``jobs`` order), once every job has stopped.
+        """
+        self.share([[rank for rank, _ in jobs]])
+        pool = ThreadPoolExecutor(max(1, len(jobs)))
+        futures = [pool.submit(fn) for _, fn in jobs]
+        try:
+            for future in as_completed(futures):
+                if future.exception() is not None:
+                    self.siblings.stop()
+                    break
+        except BaseException:
+            self.siblings.stop()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+            self.siblings.clear()
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        for error in [e for e in errors if not isinstance(e, Stopped)] + errors:
+            raise error
+        return [future.result() for future in futures]
+
     def close(self) -> None:
+        self.siblings.clear()
         self.runner.close()
         self._pool.shutdown()
         if self.progress:
@@ -148,19 +185,19 @@ class TargetBuilder:
 
     def leaf(self, path: str, rank: int) -> torch.Tensor:
         """Target ``rank``'s local tensor of ``path`` (its own storage)."""
-        got = self.runner.leaf(path, [rank])
-        if rank not in got:
+        got = self.siblings.get(path, rank)
+        if got is None:
             raise ManifestError(f"target rank {rank} holds no part of {path}")
-        out = _whole(got[rank], self.runner.D.holding(path, self.to.coord(rank)).shape)
+        out = _whole(got, self.runner.D.holding(path, self.to.coord(rank)).shape)
         self._count(out.numel() * out.element_size())
         return out
 
     def leaf_into(self, path: str, rank: int, out: torch.Tensor) -> None:
         """Copy target ``rank``'s local tensor of ``path`` into the flat view ``out`` (no joined copy)."""
-        got = self.runner.leaf(path, [rank])
-        if rank not in got:
+        got = self.siblings.get(path, rank)
+        if got is None:
             raise ManifestError(f"target rank {rank} holds no part of {path}")
-        parts = got[rank] if isinstance(got[rank], (list, tuple)) else [got[rank]]
+        parts = got if isinstance(got, (list, tuple)) else [got]
         position = 0
         for part in parts:
             n = part.numel()
@@ -175,7 +212,7 @@ class TargetBuilder:
         """:meth:`leaf_into` for every ``(path, out)`` of ``jobs``, in parallel within the byte budget."""
         work = [(out.numel() * out.element_size(), lambda p=path, o=out: self.leaf_into(p, rank, o))
                 for path, out in jobs]
-        for _ in self._bounded(work):
+        for _ in self._bounded(work, self._budget(rank)):
             pass
 
     def stream(self, rank: int, paths: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -184,15 +221,19 @@ class TargetBuilder:
         coord = self.to.coord(rank)
         work = [(self.runner.D.holding(p, coord).numel * self.tree[p].itemsize,
                  lambda p=p: self.leaf(p, rank)) for p in paths]
-        yield from zip(paths, self._bounded(work))
+        yield from zip(paths, self._bounded(work, self._budget(rank)))
 
-    def _bounded(self, work: list[tuple[int, Callable]]) -> Iterator:
+    def _budget(self, rank: int) -> int:
+        """Bytes ``rank``'s writer builds ahead: the budget, shared with the rank's siblings."""
+        return max(1, self.budget // max(1, len(self.siblings.group_of(rank))))
+
+    def _bounded(self, work: list[tuple[int, Callable]], budget: int) -> Iterator:
         """Results of ``work`` (``(bytes, fn)``) in order; the jobs in flight hold at most
         ``budget`` bytes of target tensors (a larger job runs alone)."""
         pending: deque = deque()
         held = 0
         for nbytes, fn in work:
-            while pending and held + nbytes > self.budget:
+            while pending and held + nbytes > budget:
                 size, future = pending.popleft()
                 held -= size
                 yield future.result()

@@ -1,9 +1,11 @@
 """megatron-core ``torch_dist`` directories, written by streaming DCP items.
 
-Target ranks are built one at a time through the planner
-(:class:`~tenplex_megatron.formats.target.TargetBuilder`), a few leaves ahead; each
-piece of a local tensor is appended to the rank's ``__<rank>_0.distcp`` as a
-DCP chunk of its global key (layers as chunks ``(layer, ...)`` of the
+Target ranks are built through the planner
+(:class:`~tenplex_megatron.formats.target.TargetBuilder`), a few leaves ahead, the
+ranks that differ only in ``tp`` (and ``etp``) at once, so that each leaf is built
+once for them all (a stored tensor that ``tp`` cuts across its rows is read once,
+not once per rank); each piece of a local tensor is appended to the rank's
+``__<rank>_0.distcp`` as a DCP chunk of its global key (layers as chunks ``(layer, ...)`` of the
 stacked tensor, as megatron-core saves them), then dropped. Replicas are
 written once (by the first rank that holds them), as megatron-core
 deduplicates by ``replica_id``. Optimizer state is written
@@ -38,6 +40,7 @@ from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rn
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of
+from tenplex_megatron.formats.siblings import tp_siblings
 from tenplex_megatron.formats.target import TargetBuilder, megatron_meta, part_values
 
 __all__ = ["write_dist", "METADATA_JSON", "common_state", "temp_dir", "commit_dir", "write_common", "commit_dist"]
@@ -190,19 +193,10 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         made = []
         try:
             writer, files = DcpWriter(tmp), 0
-            for rank in sorted(mine):
-                c = to.coord(rank)
-                dense = c.dense_dp_first
-                made.append(f"__{rank}_0.distcp")
-                writer.open(made[-1])
-                files += 1
-                _write_tensors(build, cfg, writer, rank, optim, names)
-                if optim == "dp_reshardable":
-                    _write_buffers(build, cfg, writer, c, rank, dtypes, values)
-                if dense and c.tp == 0 and c.ep == 0:
-                    _write_extra_states(cfg, to, writer, c.pp, names)
-                if dense and rng_states:
-                    writer.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
+            for group in tp_siblings(to, mine):  # a group's files at once: see _write_group
+                made += [f"__{rank}_0.distcp" for rank in group]
+                files += len(group)
+                _write_group(build, cfg, writer, tmp, group, optim, names, dtypes, values, rng_states)
             common = common_state(values, optim, meta.get("content_metadata"))
             report = None
             if part is None:
@@ -250,6 +244,37 @@ def _dcp_key(cfg: MegatronConfig, path: str, names: str = "local") -> tuple[str,
     if not path.startswith("model/"):
         key = f"optimizer.state.{path.split('/')[1]}.{key}"
     return key, lead, sizes
+
+
+def _write_group(build, cfg, writer: DcpWriter, tmp: str, group, optim, names, dtypes, values,
+                 rng_states) -> None:
+    """Write the ``.distcp`` files of sibling ranks ``group`` (:func:`tp_siblings`), each through
+    its own :class:`DcpWriter` whose items join ``writer``'s: their tensors all at once (each leaf
+    built once for the group: :meth:`TargetBuilder.at_once`), then their flat buffers two files at
+    a time (each holds a whole flat state), then their objects."""
+    to = build.to
+    subs = {rank: DcpWriter(tmp) for rank in group}
+    try:
+        for rank, sub in subs.items():
+            sub.open(f"__{rank}_0.distcp")
+        build.at_once([(rank, lambda r=rank: _write_tensors(build, cfg, subs[r], r, optim, names))
+                       for rank in group])
+        if optim == "dp_reshardable":
+            for i in range(0, len(group), 2):
+                build.at_once([(rank, lambda r=rank: _write_buffers(build, cfg, subs[r], to.coord(r), r,
+                                                                    dtypes, values)) for rank in group[i:i + 2]])
+        for rank, sub in subs.items():
+            c = to.coord(rank)
+            if c.dense_dp_first and c.tp == 0 and c.ep == 0:
+                _write_extra_states(cfg, to, sub, c.pp, names)
+            if c.dense_dp_first and rng_states:
+                sub.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
+    finally:
+        for sub in subs.values():
+            sub.close()
+    for sub in subs.values():
+        writer.add_json(sub.to_json())
+        writer.bytes_written += sub.bytes_written
 
 
 def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim, names: str = "local") -> None:

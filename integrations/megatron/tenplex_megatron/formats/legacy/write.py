@@ -1,4 +1,4 @@
-"""Megatron-LM per-rank checkpoints, written :data:`FILES_AT_ONCE` target files at a time.
+"""Megatron-LM per-rank checkpoints, written a pipeline stage at a time.
 
 For each (tp, pp) rank of the target config, its local tensors are built
 from the source through the planner (:class:`~tenplex_megatron.formats.target.TargetBuilder`),
@@ -7,8 +7,17 @@ optimizer, ``distrib_optim.pt``), and dropped once written. Each file
 is streamed (:func:`~tenplex_megatron.torchfiles.ptsave.save_streamed`): its tensors are
 built while the ones before them are written, so a writer holds the tensor
 it writes and those built ahead (a byte budget, or one flat optimizer state),
-never a whole file. Everything goes to a temporary directory that is renamed
-into place at the end; the tracker file is written last.
+never a whole file.
+
+Files are written stage by stage (a stage: one ``pp`` rank and one ``ep``
+rank): first the ``model_optim_rng.pt`` of all its ``tp`` ranks at once,
+sharing one byte budget, then its ``distrib_optim.pt`` files
+:data:`FILES_AT_ONCE` at a time (each holds a whole flat state). Files
+written at once are siblings (:meth:`~tenplex_megatron.formats.target.TargetBuilder.share`):
+each leaf is built once for all of them, so a stored tensor that ``tp``
+cuts across its rows is read once per stage, not once per rank.
+Everything goes to a temporary directory that is renamed into place at the
+end; the tracker file is written last.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import os
 import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -40,9 +49,10 @@ from tenplex_megatron.formats.target import TargetBuilder, megatron_meta, part_v
 __all__ = ["write_legacy", "legacy_optimizer", "FILES_AT_ONCE"]
 
 FILES_AT_ONCE = 2
-"""Files written at once. Each writer holds what it writes and builds ahead (a byte budget, or
-one flat optimizer state), so two writers hold about twice one's memory; writing two files
-overlaps one file's page-cache copies and CRC-32s with the other's reads."""
+"""``distrib_optim.pt`` files written at once. Each holds one flat optimizer state (and builds the
+next), so two writers hold about twice one's memory; writing two files overlaps one file's
+page-cache copies and CRC-32s with the other's reads. A stage's ``model_optim_rng.pt`` files are
+written all at once, sharing one byte budget of tensors built ahead."""
 
 
 def legacy_optimizer(meta: dict, args) -> str | None:
@@ -131,7 +141,8 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
                else part_folder(root, values.iteration, part.token))
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states()
-        jobs, expected, made = [], [], []  # one job per file, in rank order
+        stages: dict = {}  # (pp, ep) -> ([model file jobs], [distrib_optim.pt jobs]), in rank order
+        expected, made = [], []
         try:
             for (t, p, e), rank in writers:
                 rel = rank_dir_name(t, p, to.pp, e, to.ep)
@@ -143,12 +154,16 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
                 d = os.path.join(tmp, rel)
                 os.makedirs(d)
                 made += files
-                jobs.append(lambda t=t, p=p, e=e, rank=rank, d=d: _write_rank(
-                    build, cfg, values, rng_states, optimizer, t, p, e, rank, d, scheme))
+                models, optims = stages.setdefault((p, e), ([], []))
+                models.append((rank, lambda t=t, p=p, e=e, rank=rank, d=d: _write_rank(
+                    build, cfg, values, rng_states, optimizer, t, p, e, rank, d, scheme)))
                 if optimizer == "distrib_optim":
-                    jobs.append(lambda p=p, e=e, rank=rank, d=d: _distrib_optim(
-                        build, cfg, to, p, e, rank, dtypes, os.path.join(d, "distrib_optim.pt")))
-            written, files = _write_files(jobs), len(jobs)
+                    optims.append((rank, lambda p=p, e=e, rank=rank, d=d: _distrib_optim(
+                        build, cfg, to, p, e, rank, dtypes, os.path.join(d, "distrib_optim.pt"))))
+            batches = [b for models, optims in stages.values() for b in
+                       [models] + [optims[i:i + FILES_AT_ONCE] for i in range(0, len(optims), FILES_AT_ONCE)]]
+            written = _write_files(build, [b for b in batches if b])
+            files = sum(len(b) for b in batches)
             if part is not None:  # no rename, no tracker: the committing process does both
                 report = {"files": seal(tmp, made), "expected": expected, "iteration": values.iteration,
                           "bytes_written": written, "ranks": sorted(mine)}
@@ -169,16 +184,12 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
                 "notes": values.notes, **({"part": report} if part is not None else {})}
 
 
-def _write_files(jobs: list) -> int:
-    """Run the file writers ``jobs``, :data:`FILES_AT_ONCE` at a time in order; the bytes written.
+def _write_files(build, batches: list[list[tuple[int, Callable]]]) -> int:
+    """Run the file writers of each batch (``[(rank, job)]``) at once, batch after batch
+    (:meth:`TargetBuilder.at_once`); the bytes written.
 
     The first error is raised once the files being written have stopped; no later file starts."""
-    pool = ThreadPoolExecutor(FILES_AT_ONCE)
-    futures = [pool.submit(job) for job in jobs]
-    try:
-        return sum(future.result() for future in futures)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    return sum(sum(build.at_once(batch)) for batch in batches)
 
 
 def _placeholder(build, path: str, rank: int) -> torch.Tensor:
