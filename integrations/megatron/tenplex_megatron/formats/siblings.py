@@ -70,6 +70,7 @@ class SiblingLeaves:
         self._kept: OrderedDict = OrderedDict()  # (path, rank) -> (tensor, bytes), oldest first
         self._building: dict[tuple[str, int], Future] = {}
         self._held = 0  # bytes kept or reserved for a build under way
+        self._served: set[tuple[str, int]] = set()  # handed out: never built for that rank again
         self._stopped = False
         self._lock = threading.Lock()
 
@@ -104,6 +105,7 @@ class SiblingLeaves:
         if len(siblings) < 2:
             return self.runner.leaf(path, [rank]).get(rank)
         with self._lock:
+            self._served.add((path, rank))
             kept = self._kept.pop((path, rank), None)
             if kept is not None:
                 self._held -= kept[1]
@@ -127,13 +129,13 @@ class SiblingLeaves:
     def _claim(self, path: str, rank: int, siblings: tuple[int, ...]) -> tuple[list[int], int]:
         """The ranks to build ``path`` for now and the bytes reserved for the others; under the lock.
 
-        ``rank`` and the siblings not served yet, those after ``rank`` first (the writers run about
+        ``rank`` and the siblings not served yet (nor kept, nor being built), those after ``rank`` first (the writers run about
         in step), as many as the bound holds after dropping the oldest kept leaves: a leaf whose
         siblings' parts exceed the bound (a 70B model's ``linear_fc2`` at tp 8: 59 MB a rank) is
         read once per group that fits, not once per rank."""
         after = [r for r in siblings if r > rank] + [r for r in siblings if r < rank]
-        sizes = {r: self._nbytes(path, r) for r in after
-                 if (path, r) not in self._kept and (path, r) not in self._building}
+        sizes = {r: self._nbytes(path, r) for r in after if (path, r) not in self._served
+                 and (path, r) not in self._kept and (path, r) not in self._building}
         others = [r for r in after if sizes.get(r)]
         wanted = sum(sizes[r] for r in others)
         while self._kept and self._held + wanted > self.limit:  # the oldest kept leaves go first
@@ -179,6 +181,7 @@ class SiblingLeaves:
         and undo :meth:`stop`."""
         with self._lock:
             self._kept.clear()
+            self._served.clear()
             self._held = 0
             self._stopped = False
 

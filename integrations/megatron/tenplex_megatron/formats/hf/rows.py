@@ -2,9 +2,12 @@
 
 A target rank needs part of a Megatron tensor: its tensor-parallel rows of
 a fused ``linear_qkv`` or ``linear_fc1``, or its columns of ``linear_proj``.
-Each Megatron writer builds its files rank by rank, so reading every HF
-tensor whole for each rank read the checkpoint ``tp`` times over (hf ->
-megatron-legacy at tp 4 read 1.77 GB for 443 MB needed).
+The Megatron writers then built their files rank by rank, so reading every
+HF tensor whole for each rank read the checkpoint ``tp`` times over (hf ->
+megatron-legacy at tp 4 read 1.77 GB for 443 MB needed). They now build a
+leaf once for a stage's ``tp`` ranks (:mod:`tenplex_megatron.formats.siblings`),
+within a bound; ranks past the bound, and the processes of a reshard under
+torchrun, still ask for their own parts.
 
 The transforms the import applies to large tensors (:class:`Transform`
 ``COPY``, ``VOCAB``, ``QKV``, ``GATE_UP``) only move rows: each row of the
