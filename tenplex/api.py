@@ -31,6 +31,18 @@ __all__ = ["save", "load", "load_global", "reshard", "verify", "ReshardReport"]
 save = bounded_entry("url")(_save)  # the verbs turn MemoryError and RecursionError into LimitError
 
 
+def _counts(where: str, **counts) -> None:
+    """Each of ``counts`` is an int >= 1 (the CLI's ``positive_int``, for API callers).
+
+    Raises:
+        ConfigError: naming the argument and the value found (``threads=0`` was taken as 1,
+            ``threads=2.5`` as 2 and ``max_open_files=0`` as 1, silently).
+    """
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {name}: expected an integer >= 1, found {short(value)}")
+
+
 
 @dataclass(frozen=True)
 class ReshardReport:
@@ -106,8 +118,9 @@ def load(url: str, config: ParallelConfig | None = None, rank: int = 0, *,
         ManifestError: not a committed checkpoint, or a manifest that lies.
         CorruptShardError: a missing, truncated or corrupted shard file, or
             one whose safetensors header disagrees with the manifest.
-        ConfigError: ``config`` cannot hold the tree.
+        ConfigError: ``config`` cannot hold the tree, or ``threads`` is not an int >= 1.
     """
+    _counts(f"load {url}", threads=threads)
     reader = StoreReader(url, storage_options)
     config = config or reader.config
     config.coord(rank)
@@ -177,7 +190,8 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, format: str | None = None
         A :class:`ReshardReport`.
 
     Raises:
-        ConfigError: ``to`` cannot hold the tree, or ``format`` is unknown.
+        ConfigError: ``to`` cannot hold the tree, ``format`` is unknown, or ``threads``,
+            ``block`` or ``max_open_files`` is not an int >= 1.
         AlreadyExistsError: ``dst`` holds a committed checkpoint, or another
             writer committed there first.
         ManifestError, CorruptShardError: a bad source; nothing is committed at
@@ -186,6 +200,7 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, format: str | None = None
     start = time.perf_counter()
     if not isinstance(to, ParallelConfig):
         raise ConfigError(f"reshard {src}: to: expected a ParallelConfig, found {short(to)}")
+    _counts(f"reshard {src}", threads=threads, block=block, max_open_files=max_open_files)
     src_fmt = detect(src)
     out_fmt = get_format(format) if format else src_fmt
     opts = {**options, "storage_options": storage_options, "threads": threads, "block": block,
@@ -227,7 +242,9 @@ def verify(url: str, *, storage_options: dict | None = None, threads: int = 4,
         ManifestError: metadata that lies, naming the field.
         CorruptShardError: a missing, truncated or corrupted file, or a header
             that lies, naming the file.
+        ConfigError: ``threads`` is not an int >= 1.
     """
+    _counts(f"verify {url}", threads=threads)
     fmt = detect(url)
     opts = {**options, "storage_options": storage_options, "threads": threads}
     if progress is False or callable(progress):

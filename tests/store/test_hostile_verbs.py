@@ -141,7 +141,17 @@ def test_missing_ranks_of_a_huge_world_give_a_short_message(tmp_path):
     (lambda url, dst: tenplex.load(url, rank="0"), r"rank: expected an int in \[0, 4\), found str '0'"),
     (lambda url, dst: tenplex.reshard(url, dst, None), r"to: expected a ParallelConfig, found None"),
     (lambda url, dst: tenplex.reshard(url, dst, "dp=1"), r"to: expected a ParallelConfig, found 'dp=1'"),
-], ids=["load-rank-str", "reshard-to-none", "reshard-to-str"])
+    # counts below 1, floats and bools were taken silently (threads=0 as 1, 2.5 as 2)
+    (lambda url, dst: tenplex.load(url, threads=0), r"threads: expected an integer >= 1, found 0"),
+    (lambda url, dst: tenplex.reshard(url, dst, P(dp=1, tp=2, pp=2), threads=2.5),
+     r"threads: expected an integer >= 1, found 2.5"),
+    (lambda url, dst: tenplex.reshard(url, dst, P(dp=1, tp=2, pp=2), max_open_files=0),
+     r"max_open_files: expected an integer >= 1, found 0"),
+    (lambda url, dst: tenplex.reshard(url, dst, P(dp=1, tp=2, pp=2), block=-1),
+     r"block: expected an integer >= 1, found -1"),
+    (lambda url, dst: tenplex.verify(url, threads=True), r"threads: expected an integer >= 1, found True"),
+], ids=["load-rank-str", "reshard-to-none", "reshard-to-str", "load-threads-0", "reshard-threads-float",
+        "reshard-max-open-files-0", "reshard-block-negative", "verify-threads-bool"])
 def test_verbs_refuse_arguments_of_the_wrong_type(call, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         call(_good(), str(tmp_path / "out"))
