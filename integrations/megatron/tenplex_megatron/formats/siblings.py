@@ -1,13 +1,13 @@
 """Leaves built once for sibling target ranks: ranks whose files are written at the same time.
 
-A Megatron writer builds its files rank by rank, and each rank's leaf is
-built from the source by the store executor. Where tensor-parallel ranks cut
-a stored tensor across its rows (``linear_proj``, ``linear_fc2``: a column
+A Megatron writer writes a file per target rank, each rank's leaves built
+from the source by the store executor. Where tensor-parallel ranks cut a
+stored tensor across its rows (``linear_proj``, ``linear_fc2``: a column
 range of every row), each rank needs a piece of every checksum block of the
 stored tensor, and a tenplex store reads and verifies whole blocks: built
-one rank at a time, a ``tp=8`` target read every such tensor eight times
-(``tenplex reshard`` of a 443 MB store to ``tp=8 --format megatron-legacy``
-read 1.00 GB).
+one rank at a time, as they once were, a ``tp=8`` target read every such
+tensor eight times (``tenplex reshard`` of a 443 MB store to ``tp=8
+--format megatron-legacy`` read 1.00 GB).
 
 :class:`SiblingLeaves` builds a leaf for every sibling rank that holds it in
 one executor call (one read of the union of their byte ranges) and keeps
