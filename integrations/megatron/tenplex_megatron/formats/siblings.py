@@ -76,7 +76,8 @@ class SiblingLeaves:
 
     def group(self, groups: Iterable[Iterable[int]]) -> None:
         """Declare sibling groups (each a set of ranks written at the same time), in place of the
-        earlier ones; a rank in no group is built alone."""
+        earlier ones, and undo :meth:`stop`; a rank in no group is built alone."""
+        self._stopped = False
         self._siblings = {}
         for g in groups:
             members = tuple(sorted(g))
@@ -129,10 +130,11 @@ class SiblingLeaves:
     def _claim(self, path: str, rank: int, siblings: tuple[int, ...]) -> tuple[list[int], int]:
         """The ranks to build ``path`` for now and the bytes reserved for the others; under the lock.
 
-        ``rank`` and the siblings not served yet (nor kept, nor being built), those after ``rank`` first (the writers run about
-        in step), as many as the bound holds after dropping the oldest kept leaves: a leaf whose
-        siblings' parts exceed the bound (a 70B model's ``linear_fc2`` at tp 8: 59 MB a rank) is
-        read once per group that fits, not once per rank."""
+        ``rank`` and the siblings not served yet (nor kept, nor being built), those after
+        ``rank`` first (the writers run about in step), as many as the bound holds after
+        dropping the oldest kept leaves: a leaf whose siblings' parts exceed the bound (a 70B
+        model's ``linear_fc2`` at tp 8: 59 MB a rank) is read once per group that fits, not
+        once per rank."""
         after = [r for r in siblings if r > rank] + [r for r in siblings if r < rank]
         sizes = {r: self._nbytes(path, r) for r in after if (path, r) not in self._served
                  and (path, r) not in self._kept and (path, r) not in self._building}
@@ -172,17 +174,16 @@ class SiblingLeaves:
         return got.get(rank)
 
     def stop(self) -> None:
-        """Make every later :meth:`get` raise :class:`Stopped`: a writer failed, and its siblings
-        stop at their next leaf instead of finishing their files."""
+        """Make every later :meth:`get` raise :class:`Stopped` until the next :meth:`group`: a
+        writer failed, and its siblings stop at their next leaf instead of finishing their files
+        (so do the builds they had queued, which may run after :meth:`clear`)."""
         self._stopped = True
 
     def clear(self) -> None:
-        """Drop every kept leaf (a writer that stopped early leaves its siblings' leaves behind)
-        and undo :meth:`stop`."""
+        """Drop every kept leaf (a writer that stopped early leaves its siblings' leaves behind)."""
         with self._lock:
             self._kept.clear()
             self._served.clear()
             self._held = 0
-            self._stopped = False
 
 
