@@ -24,7 +24,8 @@ import torch
 from hostile_pickles import (META, build, call, dump_metadata, first_tensor_item, glob2, glob4,
                              integer, item_bytes, load_own_metadata, make_fifo, mapping, newobj,
                              pt_blob, pt_edit, pt_records, replace_value, repoint, shell,
-                             splice_metadata, strip_frames, tensor_pickle, text, tup)
+                             splice_metadata, strip_frames, tensor_args, tensor_pickle, text, tup,
+                             typed_tensor_pickle)
 from mcore_helpers import run_worker
 
 from tenplex.errors import CorruptShardError, ManifestError, PathError, UnsafePickleError
@@ -368,6 +369,25 @@ PT_CASES = [
          "verify"),
     Case("model-fifo", "legacy", MODEL_PT, CorruptShardError, r"not a regular file", _fifo_file(MODEL_PT),
          "pt", "reshard"),
+    # a tensor with attributes (_rebuild_from_type_v2): only a plain tensor, rebuilt by _rebuild_tensor_v2,
+    # with attributes of plain values
+    Case("model-typed-tensor-type", "legacy", MODEL_PT, _U, r"the type is torch\.float32, not torch\.Tensor",
+         _pt(MODEL_PT, "checkpoint_version", lambda c: typed_tensor_pickle(
+             glob2("torch._utils", "_rebuild_tensor_v2"), glob2("torch", "float32"), mapping()), _SIXTEEN), "pt"),
+    Case("model-typed-tensor-func", "legacy", MODEL_PT, _U,
+         r"the rebuild function is collections\.OrderedDict, not torch\._utils\._rebuild_tensor_v2",
+         _pt(MODEL_PT, "checkpoint_version", lambda c: typed_tensor_pickle(
+             glob2("collections", "OrderedDict"), glob2("torch", "Tensor"), mapping()), _SIXTEEN), "pt"),
+    Case("model-typed-tensor-state", "legacy", MODEL_PT, _U, r"the attributes must be a dict of at most 64",
+         _pt(MODEL_PT, "checkpoint_version", lambda c: typed_tensor_pickle(
+             glob2("torch._utils", "_rebuild_tensor_v2"), glob2("torch", "Tensor"),
+             mapping((text("main_grad"), tensor_pickle(4, (4,), (1,))))), _SIXTEEN), "pt"),
+    Case("model-typed-tensor-past-storage", "legacy", MODEL_PT, _U, r"reaches element 1000 of a storage of 4",
+         _pt(MODEL_PT, "checkpoint_version", lambda c: call(
+             glob2("torch._tensor", "_rebuild_from_type_v2"), glob2("torch._utils", "_rebuild_tensor_v2"),
+             glob2("torch", "Tensor"), tup(*tensor_args(4, (1000,), (1,))), mapping()), _SIXTEEN), "pt"),
+    Case("model-bare-tensor-type", "legacy", MODEL_PT, _U, r"REDUCE on torch\.Tensor is not allowed",
+         _pt(MODEL_PT, "checkpoint_version", lambda c: call(glob2("torch", "Tensor"), integer(4))), "pt"),
     Case("dopt-rebuild-args", "legacy", DOPT_PT, _U, r"1 arguments \(expected 6 or 7\)",
          _pt(DOPT_PT, "buckets_coalesced", lambda c: call(glob2("torch._utils", "_rebuild_tensor_v2"),
                                                           text("x"))), "pt"),

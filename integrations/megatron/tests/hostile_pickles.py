@@ -139,13 +139,25 @@ def pt_blob(records: dict[str, bytes], name: str = "item") -> bytes:
         return p.read_bytes()
 
 
+def tensor_args(numel: int, size: tuple, stride: tuple, key: str = "999", storage: str = "FloatStorage"
+                ) -> list[bytes]:
+    """``_rebuild_tensor_v2``'s arguments for storage record ``data/<key>`` with the given numel, size, stride."""
+    pid = tup(text("storage"), glob2("torch", storage), text(key), text("cpu"), integer(numel))
+    return [pid + b"Q", integer(0), tup(*map(integer, size)), tup(*map(integer, stride)), b"\x89",
+            call(glob2("collections", "OrderedDict"))]
+
+
 def tensor_pickle(numel: int, size: tuple, stride: tuple, key: str = "999",
                   storage: str = "FloatStorage") -> bytes:
     """``_rebuild_tensor_v2`` of storage record ``data/<key>`` with the given numel, size, stride."""
-    pid = tup(text("storage"), glob2("torch", storage), text(key), text("cpu"), integer(numel))
-    return call(glob2("torch._utils", "_rebuild_tensor_v2"), pid + b"Q", integer(0),
-                tup(*map(integer, size)), tup(*map(integer, stride)), b"\x89",
-                call(glob2("collections", "OrderedDict")))
+    return call(glob2("torch._utils", "_rebuild_tensor_v2"), *tensor_args(numel, size, stride, key, storage))
+
+
+def typed_tensor_pickle(func: bytes, new_type: bytes, state: bytes) -> bytes:
+    """``_rebuild_from_type_v2(func, new_type, args, state)`` (a tensor with Python attributes, as
+    ``torch.save`` writes megatron-core's fp32 main params) of a 4-element record ``data/999``."""
+    return call(glob2("torch._tensor", "_rebuild_from_type_v2"), func, new_type,
+                tup(*tensor_args(4, (4,), (1,))), state)
 
 
 # ---------------------------------------------------------------- DCP metadata

@@ -22,8 +22,9 @@ import warnings
 import pytest
 import torch
 
-from hostile_corpus import CASES, CWD_MARKER, DOPT_PT, MODEL_PT, Ctx, real_checkpoint
+from hostile_corpus import CASES, CWD_MARKER, DOPT_PT, MODEL, MODEL_PT, Ctx, real_checkpoint
 from hostile_pickles import pt_records
+from mcore_helpers import run_worker
 
 from tenplex.formats import write_store
 from tenplex.errors import TenplexError
@@ -147,10 +148,31 @@ def test_dcp_allow_list_is_exactly_what_real_metadata_names(real):
     assert allowed - dtypes == named - dtypes, "an allowed DCP global that real files do not name"
 
 
-def test_pt_allow_list_is_exactly_what_real_files_name(real):
+@pytest.fixture(scope="module")
+def real_bf16_adam(tmp_path_factory):
+    """A legacy file of bf16 params with a non-distributed Adam, by megatron-core: its fp32 main
+    params carry attributes, so torch.save pickles them by ``_rebuild_from_type_v2``."""
+    d = tmp_path_factory.mktemp("hostile-bf16")
+    flags = MODEL.replace(" --dist-opt --sharding-type fully_reshardable", "") + " --bf16"
+    run_worker(1, 1, flags, "--save", "legacy", "--save-dir", str(d))
+    return d / MODEL_PT
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_real_bf16_adam_file_loads_as_torch_loads_it(real_bf16_adam, mmap):
+    """Refused before (``torch._tensor._rebuild_from_type_v2`` was not allowed): tenplex could not
+    read megatron-core's legacy checkpoints of bf16 models trained without the distributed optimizer."""
+    ours = safe_load(str(real_bf16_adam), mmap=mmap)
+    theirs = torch.load(real_bf16_adam, weights_only=False)  # written by megatron-core in this test
+    assert _same(ours, theirs)
+    mains = [m for group in ours["optimizer"]["fp32_from_fp16_params"] for m in group]
+    assert mains and all(m.dtype == torch.float32 for m in mains)
+
+
+def test_pt_allow_list_is_exactly_what_real_files_name(real, real_bf16_adam):
     named = set()
-    for rel in ("dist/common.pt", f"legacy/{MODEL_PT}", f"legacy/{DOPT_PT}"):
-        data = pt_records((real / rel).read_bytes())["data.pkl"]  # protocol 2: GLOBAL only
+    for path in [real / "dist/common.pt", real / "legacy" / MODEL_PT, real / "legacy" / DOPT_PT, real_bf16_adam]:
+        data = pt_records(path.read_bytes())["data.pkl"]  # protocol 2: GLOBAL only
         named |= {tuple(arg.split(" ", 1)) for op, arg, _ in pickletools.genops(data)
                   if op.name == "GLOBAL"}
     allowed = set(safe_load_module.TORCH_GLOBALS)

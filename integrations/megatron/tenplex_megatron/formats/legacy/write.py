@@ -267,7 +267,7 @@ def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d, sch
         specs = param_order(cfg, to, p, 0, e)
         parts = [specs] if len(subs) == 1 else [[s for s in specs if s.expert is None],
                                                 [s for s in specs if s.expert is not None]]
-        state["optimizer"] = [_adam_state(build, cfg, values, rank, part, groups)
+        state["optimizer"] = [_adam_state(build, cfg, values, rank, part, groups, paths, placeholders)
                               for part, groups in zip(parts, subs)]
     elif optimizer == "distrib_optim":
         state["optimizer"] = [{"optimizer": {"param_groups": groups}, **values.grad_scaler()} for groups in subs]
@@ -280,20 +280,32 @@ def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d, sch
                          (tensor for _, tensor in build.stream(rank, paths)))
 
 
-def _adam_state(build, cfg: MegatronConfig, values, rank, specs, param_groups) -> dict:
+def _adam_state(build, cfg: MegatronConfig, values, rank, specs, param_groups, paths: list,
+                placeholders: list) -> dict:
     """A non-distributed Adam's state dict: ``FP32Optimizer``'s, or ``Float16OptimizerWithFloat16Params``'
-    (with ``fp32_from_fp16_params``) for bf16/fp16 params, over ``specs`` (one sub-optimizer's)."""
+    (with ``fp32_from_fp16_params``) for bf16/fp16 params, over ``specs`` (one sub-optimizer's).
+
+    Its tensors are placeholders, appended to ``placeholders`` (and their leaves to ``paths``) in
+    the order the pickle meets them, so the file streams them like the model's: a writer holds
+    what it writes, not the rank's whole optimizer state (which, for the stage's ``tp`` files
+    written at once, is the stage's)."""
     step = values.step()
-    groups, state, mains, index = [], {}, [], 0
+    groups, state, mains, main_paths, index = [], {}, [], [], 0
     for g in param_groups:
         no_wd = float(g.get("wd_mult", 1.0)) == 0.0
         ids, group_mains = [], []
         for spec in (s for s in specs if s.no_weight_decay == no_wd):
-            st = {name: build.leaf(optimizer_path(name, spec.path), rank) for name in ("exp_avg", "exp_avg_sq")}
+            st = {}
+            for name in ("exp_avg", "exp_avg_sq"):  # met in this order: state[index] is pickled whole
+                st[name] = _placeholder(build, optimizer_path(name, spec.path), rank)
+                paths.append(optimizer_path(name, spec.path))
+                placeholders.append(st[name])
             if step is not None:
                 st["step"] = torch.tensor(float(step))
             state[index] = st
-            group_mains.append(build.leaf(optimizer_path("param", spec.path), rank))
+            if cfg.params_dtype != "float32":  # else the main params are the model's, not stored
+                group_mains.append(_placeholder(build, optimizer_path("param", spec.path), rank))
+                main_paths.append(optimizer_path("param", spec.path))
             ids.append(index)
             index += 1
         groups.append({**g, "params": ids})
@@ -301,4 +313,6 @@ def _adam_state(build, cfg: MegatronConfig, values, rank, specs, param_groups) -
     inner = {"state": state, "param_groups": groups}
     if cfg.params_dtype == "float32":
         return inner
+    paths.extend(main_paths)  # after every moment: "optimizer" is pickled before "fp32_from_fp16_params"
+    placeholders.extend(m for group in mains for m in group)
     return {"optimizer": inner, "fp32_from_fp16_params": mains, **values.grad_scaler()}
