@@ -113,9 +113,9 @@ class SiblingLeaves:
                 return kept[0]
             waiting = self._building.get((path, rank))
             if waiting is None:
-                ranks, reserved = self._claim(path, rank, siblings)
+                sizes = self._claim(path, rank, siblings)
                 future = Future()
-                for r in ranks:
+                for r in [rank, *sizes]:
                     self._building[(path, r)] = future
         if waiting is not None:
             waiting.result()
@@ -125,10 +125,11 @@ class SiblingLeaves:
                     self._held -= kept[1]
             # dropped to make room before this writer came for it: built alone
             return kept[0] if kept is not None else self.runner.leaf(path, [rank]).get(rank)
-        return self._build(path, rank, ranks, reserved, future)
+        return self._build(path, rank, sizes, future)
 
-    def _claim(self, path: str, rank: int, siblings: tuple[int, ...]) -> tuple[list[int], int]:
-        """The ranks to build ``path`` for now and the bytes reserved for the others; under the lock.
+    def _claim(self, path: str, rank: int, siblings: tuple[int, ...]) -> dict[int, int]:
+        """The siblings to build ``path`` for now besides ``rank``, with their bytes (reserved in
+        :attr:`_held` until the build ends); under the lock.
 
         ``rank`` and the siblings not served yet (nor kept, nor being built), those after
         ``rank`` first (the writers run about in step), as many as the bound holds after
@@ -143,33 +144,31 @@ class SiblingLeaves:
         while self._kept and self._held + wanted > self.limit:  # the oldest kept leaves go first
             _, (_, nbytes) = self._kept.popitem(last=False)
             self._held -= nbytes
-        chosen, reserved = [], 0
+        chosen: dict[int, int] = {}
         for r in others:
-            if self._held + reserved + sizes[r] > self.limit:
+            if self._held + sizes[r] > self.limit:
                 break
-            chosen.append(r)
-            reserved += sizes[r]
-        self._held += reserved
-        return [rank] + chosen, reserved
+            chosen[r] = sizes[r]
+            self._held += sizes[r]
+        return chosen
 
-    def _build(self, path: str, rank: int, ranks: list[int], reserved: int, future: Future):
+    def _build(self, path: str, rank: int, others: dict[int, int], future: Future):
+        """Build ``path`` for ``rank`` and ``others`` (``{rank: bytes}`` from :meth:`_claim`) and
+        keep the others' tensors; their reservation becomes what is kept."""
         try:
-            got = self.runner.leaf(path, ranks)
+            got = self.runner.leaf(path, [rank, *others])
         except BaseException as exc:
             with self._lock:
-                self._held -= reserved
-                for r in ranks:
+                self._held -= sum(others.values())
+                for r in [rank, *others]:
                     self._building.pop((path, r), None)
             future.set_exception(exc)
             raise
         with self._lock:
-            self._held -= reserved
-            for r in ranks:
+            self._building.pop((path, rank), None)
+            for r, nbytes in others.items():
                 self._building.pop((path, r), None)
-                if r != rank:
-                    nbytes = self._nbytes(path, r)
-                    self._kept[(path, r)] = (got.get(r), nbytes)
-                    self._held += nbytes
+                self._kept[(path, r)] = (got.get(r), nbytes)  # already counted in _held
         future.set_result(None)
         return got.get(rank)
 

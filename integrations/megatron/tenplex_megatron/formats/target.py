@@ -154,8 +154,8 @@ class TargetBuilder:
             pool.shutdown(wait=True)
             self.siblings.clear()
         errors = [f.exception() for f in futures if f.exception() is not None]
-        for error in [e for e in errors if not isinstance(e, Stopped)] + errors:
-            raise error
+        if errors:  # a writer's own error, not the Stopped it made its siblings raise
+            raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
         return [future.result() for future in futures]
 
     def close(self) -> None:
