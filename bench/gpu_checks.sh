@@ -1,9 +1,14 @@
 #!/bin/bash
 # The checks that need a GPU (docs/benchmarks.md, "On a GPU"), in one run from the repository root.
 # Needs tenplex, tenplex_megatron and megatron-core installed (the README's test command) and one CUDA device.
+# Installed, not on PYTHONPATH: the Megatron and HF formats are found through tenplex-megatron's entry points.
+# Offline (the lent GPU machine): pip install --no-index --no-deps --no-build-isolation --target /tmp/site
+# . integrations/megatron (and a carried megatron-core wheel), then PYTHONPATH=/tmp/site.
 # 1. GPU-resident shards saved and loaded bit for bit; 2. their save/load speed; 3. a megatron-core GPT trained
 # and saved on the GPU (legacy and torch_dist, distributed optimizer), verified and resharded by tenplex, then
-# loaded by megatron-core on CPU at tp2 pp2 (4 gloo processes): the logits must match the GPU's.
+# loaded by megatron-core on CPU at tp2 pp2 (4 gloo processes): the logits must match the GPU's; 4. a bf16 GPT
+# trained on the GPU with a non-distributed Adam, saved legacy, resharded to tp2 pp2 and back: every model
+# and optimizer tensor must come back bit for bit, and megatron-core must load the tp2 pp2 files.
 R=$PWD; export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi -L
 python3 -c "import torch, megatron.core, xxhash, fsspec, scipy, safetensors, tqdm; print('torch', torch.__version__, 'mcore', megatron.core.__version__)"
@@ -40,3 +45,36 @@ for n in ('l2d', 'd2l'):
     except Exception as e:
         print(n, 'ERROR', e)
 P
+echo "== 4. bf16 trained on the GPU with a non-distributed Adam, saved legacy (Megatron-LM's most common --save)"
+# its fp32 main params are cuda tensors with Python attributes: torch pickles them through
+# torch._tensor._rebuild_from_type_v2 (docs/megatron.md, the allow-list)
+timeout 240 torchrun --standalone --nproc_per_node=1 mcore_worker.py --device cuda $M --bf16 --train-steps 2 --save legacy --save-dir $G/bf16 --logits-out $G/bf16_gpu_logits.pt 2>&1 | grep -v Warning | tail -3
+python3 - <<P 2>&1 | tail -1
+import glob, zipfile; f=glob.glob('$G/bf16/iter_*/mp_rank_00/model_optim_rng.pt')[0]; z=zipfile.ZipFile(f); d=z.read([n for n in z.namelist() if n.endswith('data.pkl')][0])
+print('bf16 file: _rebuild_from_type_v2 in pickle:', b'_rebuild_from_type_v2' in d, '; cuda:0 storages:', b'cuda:0' in d)
+P
+python3 -m tenplex verify $G/bf16 2>&1 | tail -1
+python3 -m tenplex reshard $G/bf16 $G/bf16_2x2 --to dp=1,tp=2,pp=2 --format megatron-legacy 2>&1 | tail -1
+python3 -m tenplex reshard $G/bf16_2x2 $G/bf16_back --to dp=1,tp=1,pp=1 --format megatron-legacy 2>&1 | tail -1
+python3 - <<P 2>&1 | tail -3
+# the round trip tp1 -> tp2 pp2 -> tp1 gives back every model and optimizer tensor bit for bit
+import glob, torch
+def load(root):
+    return torch.load(glob.glob(root + '/iter_*/mp_rank_00/model_optim_rng.pt')[0], map_location='cpu', weights_only=False)
+def flat(x, p=''):
+    if isinstance(x, torch.Tensor): yield p, x
+    elif isinstance(x, dict):
+        for k, v in x.items(): yield from flat(v, f'{p}/{k}')
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x): yield from flat(v, f'{p}/{i}')
+a, b = load('$G/bf16'), load('$G/bf16_back')
+ta = {k: v for part in ('model', 'optimizer') for k, v in flat(a[part], part) if not k.endswith('_extra_state')}
+tb = {k: v for part in ('model', 'optimizer') for k, v in flat(b[part], part) if not k.endswith('_extra_state')}
+bad = [k for k in ta if k not in tb or ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
+print('bf16 round trip:', len(ta), 'tensors,', sum(t.numel() * t.element_size() for t in ta.values()), 'bytes;',
+      'missing or different:', bad[:5] or 'none', '; extra:', sorted(set(tb) - set(ta))[:5] or 'none')
+P
+timeout 240 torchrun --standalone --nproc_per_node=4 mcore_worker.py --tp 2 --pp 2 $M --bf16 --optimizer --load legacy --load-dir $G/bf16_2x2 --loaded-logits-out $G/bf16_2x2_logits.pt 2>&1 | grep -i "error" | tail -4
+python3 -c "
+import torch; g = torch.load('$G/bf16_gpu_logits.pt')['logits'].float(); c = torch.load('$G/bf16_2x2_logits.pt')['logits'].float()
+print('bf16 tp2 pp2 on CPU: max |cpu - gpu| logits', (c - g).abs().max().item(), 'of max', g.abs().max().item(), '(bf16 arithmetic differs between devices)')"

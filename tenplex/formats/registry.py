@@ -21,6 +21,11 @@ __all__ = ["formats", "get_format", "detect", "broken"]
 ENTRY_POINTS = "tenplex.formats"
 """The entry-point group formats register under."""
 
+NO_PLUGINS = (f"; no format plugin is installed (none registers a {ENTRY_POINTS!r} entry point: on PYTHONPATH "
+              "alone a package registers none): `pip install -e integrations/megatron` (tenplex-megatron) "
+              "adds megatron-legacy, megatron-dist and hf")
+"""Added to "unknown format" errors where only the built-in store is known."""
+
 
 def broken() -> dict[str, str]:
     """``{entry point name: why it did not load}`` for installed format plugins that fail to import.
@@ -75,6 +80,8 @@ def get_format(name: str) -> Format:
     if name not in known:
         bad = broken()
         why = f"; the plugin {name!r} is installed but does not load ({bad[name]})" if name in bad else ""
+        if len(known) == 1 and not bad:
+            why = NO_PLUGINS
         raise ConfigError(f"format {name!r}: unknown; expected one of {', '.join(known)}{why}")
     return known[name]
 
@@ -102,8 +109,9 @@ def detect(path: str) -> Format:
         if reason:
             raise ManifestError(reason)
     bad = "".join(f"; plugin {n} does not load ({why})" for n, why in broken().items())
+    hint = NO_PLUGINS if len(known) == 1 and not bad else ""
     raise ManifestError(f"{path}: not a checkpoint of any known format ({', '.join(known)}); "
-                        f"a tenplex checkpoint has a {MANIFEST}{bad}")
+                        f"a tenplex checkpoint has a {MANIFEST}{bad}{hint}")
 
 
 def _reachable(path: str) -> None:

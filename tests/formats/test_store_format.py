@@ -62,6 +62,25 @@ def test_a_plugin_that_does_not_import_is_named_not_fatal(monkeypatch, tmp_path)
         registry.detect(str(tmp_path))
 
 
+def test_without_any_format_plugin_the_errors_say_how_to_add_one(monkeypatch, tmp_path):
+    """tenplex on PYTHONPATH, or installed without tenplex-megatron, knows only its store: a Megatron
+    folder or ``--format hf`` is then "unknown", and the error says that no plugin is installed and how
+    to install one (found on a GPU machine where the packages were on PYTHONPATH)."""
+    import pytest
+
+    from tenplex.errors import ConfigError, ManifestError
+    from tenplex.formats import registry
+
+    with pytest.raises(ManifestError) as installed:
+        registry.detect(str(tmp_path))
+    assert "no format plugin is installed" not in str(installed.value)  # tenplex-megatron is installed here
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    with pytest.raises(ManifestError, match="no format plugin is installed .*pip install -e integrations/megatron"):
+        registry.detect(str(tmp_path))
+    with pytest.raises(ConfigError, match="format 'hf': unknown; expected one of tenplex; no format plugin"):
+        registry.get_format("hf")
+
+
 def test_a_reshard_builds_one_sharding_per_config(tmp_path, monkeypatch):
     """Geometry is built once per config per operation: the reader's for the source, the planner's
     for the target; the store executor and the writer take them from the plan."""
