@@ -71,18 +71,24 @@ def test_bf16_two_more_steps_match_after_reshard(tmp_path):
 
 
 def test_bf16_non_distributed_adam_two_more_steps_match_after_reshard(tmp_path):
-    """bf16 params with a non-distributed Adam (``Float16OptimizerWithFloat16Params``: moments and
-    ``fp32_from_fp16_params`` in ``model_optim_rng.pt``). Resharded to tp 2, pp 2 legacy, whose two
-    sibling files per stage are written at once with their optimizer tensors streamed in the order
-    the pickle meets them; megatron-core loads it and the next two losses equal the uninterrupted run's."""
+    """bf16 params with a non-distributed Adam (``Float16OptimizerWithFloat16Params``), saved in both
+    formats: legacy keeps moments and ``fp32_from_fp16_params`` in ``model_optim_rng.pt``; torch_dist
+    (Megatron-LM's default ``--ckpt-format``) keeps them as ``optimizer.state.{exp_avg,exp_avg_sq,
+    fp32_param}.*`` tensors and the groups under ``common.pt``'s ``optimizer.optimizer``. Each is
+    resharded to tp 2, pp 2 in each format (legacy: two sibling files per stage written at once, the
+    optimizer tensors streamed in the order the pickle meets them; dist to dist: items copied
+    directly); megatron-core loads every result and the next two losses equal the uninterrupted run's.
+    The torch_dist source was refused before (``unknown key optimizer.state.fp32_param...``)."""
     flags = FLAGS.replace(" --dist-opt", "") + " --bf16"
     src = tmp_path / "src"
-    expected = losses(run_worker(2, 1, flags, "--save", "legacy", "--save-dir", str(src),
+    expected = losses(run_worker(2, 1, flags, "--save", "both", "--save-dir", str(src),
                                  "--train-after-save", "2"))[2:]
-    dst = tmp_path / "dst"
-    done = tenplex("reshard", str(src), str(dst), "--to", "dp=1,tp=2,pp=2")  # --save legacy: src is the root
-    assert done.returncode == 0, done.stderr
-    got = losses(run_worker(2, 2, flags, "--load", "legacy", "--load-dir", str(dst)))
-    assert len(expected) == len(got) == 2
-    for e, g in zip(expected, got):
-        assert abs(e - g) <= 1e-6, (expected, got)
+    for src_fmt, dst_fmt in [("legacy", "legacy"), ("dist", "dist"), ("dist", "legacy"), ("legacy", "dist")]:
+        dst = tmp_path / f"{src_fmt}-to-{dst_fmt}"
+        done = tenplex("reshard", str(src / src_fmt), str(dst), "--to", "dp=1,tp=2,pp=2",
+                       "--format", f"megatron-{dst_fmt}")
+        assert done.returncode == 0, done.stderr
+        got = losses(run_worker(2, 2, flags, "--load", dst_fmt, "--load-dir", str(dst)))
+        assert len(expected) == len(got) == 2
+        for e, g in zip(expected, got):
+            assert abs(e - g) <= 1e-6, (src_fmt, dst_fmt, expected, got)

@@ -98,8 +98,9 @@ def _vocab_keys(cfg) -> dict[str, str]:
     for spec in param_specs(cfg):
         if spec.leaf.layout.padding is not None:
             out[spec.dist] = spec.path
-            for state in OPTIMIZER_STATES:
-                out[f"optimizer.state.{state}.{spec.dist}"] = \
+            for state, name in [(s, s) for s in OPTIMIZER_STATES] + [("param", "fp32_param")]:
+                # fp32_param: a non-distributed optimizer's main params over bf16/fp16 params (optimizer_prefix)
+                out[f"optimizer.state.{name}.{spec.dist}"] = \
                     f"optimizer/{state}/{spec.path.removeprefix('model/')}"
     return out
 
@@ -132,6 +133,8 @@ def _common(source: DistSource, values: TargetValues) -> dict:
         # dist_checkpointing.load merges loaded state into them ("Duplicate non-dict ... values")
         if "param_groups" in dense:
             expert["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        elif "state" in (dense.get("optimizer") or {}):  # the same over bf16/fp16 params, one level down
+            expert["optimizer"]["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         else:
             expert["optimizer"] = {"param_groups": groups}
         common["optimizer"] = dense if values.config.ep == 1 else {0: dense, 1: expert}

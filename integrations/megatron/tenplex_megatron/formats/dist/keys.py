@@ -4,8 +4,8 @@ Tensors are global (model space), layers stacked on a leading axis, or
 keyed one by one (``decoder.layers.<l>.*``) when ``moe_layer_freq`` mixes
 dense and MoE layers (:func:`dist_key`); norms under TE-style names
 (:mod:`tenplex_megatron.model.layouts`). Optimizer state is
-``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` (``fully_reshardable``)
-or flat buffers per model-parallel rank and bucket (``dp_reshardable``,
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` (``fully_reshardable``;
+a non-distributed optimizer: :func:`optimizer_prefix`) or flat buffers per model-parallel rank and bucket (``dp_reshardable``,
 :mod:`tenplex_megatron.model.flatbuf`). Byte objects are megatron-core
 ``ShardedObject`` s, stored under ``<key>/shard_<offset>_<shape>``
 (``dist_checkpointing/mapping.py::ShardedObject.unique_key``):
@@ -29,7 +29,7 @@ from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
 from tenplex_megatron.torchfiles.safe_load import open_regular
 
-__all__ = ["COMMON_STATE", "dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+__all__ = ["COMMON_STATE", "dist_names", "optimizer_prefix", "optimizer_states", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
            "known_extra_state", "dist_key"]
 
@@ -106,14 +106,36 @@ def dist_key(cfg: MegatronConfig, spec: ParamSpec, names: str = "local"
     return key, lead, sizes
 
 
+def optimizer_prefix(optim: str | None, state: str, params_dtype: str) -> str:
+    """The DCP key prefix of optimizer state ``state`` (``param``, ``exp_avg``, ``exp_avg_sq``): the
+    model key follows it.
+
+    - distributed optimizer, ``fully_reshardable``: ``optimizer.state.<state>.``;
+    - non-distributed optimizer (``optim="adam"``): moments as above; the fp32 main params are the
+      model's own tensors (prefix ``""``) over fp32 params (megatron-core ``FP32Optimizer``), and
+      ``optimizer.state.fp32_param.`` over bf16/fp16 params (``Float16OptimizerWithFloat16Params.
+      sharded_state_dict`` makes them from ``fp32_from_fp16_params`` with that prefix).
+    """
+    if optim == "adam" and state == "param":
+        return "" if params_dtype == "float32" else "optimizer.state.fp32_param."
+    return f"optimizer.state.{state}."
+
+
+def optimizer_states(optim: str | None, params_dtype: str) -> tuple[str, ...]:
+    """The optimizer states stored under their own keys (:func:`optimizer_prefix`): all three for the
+    distributed optimizer (``fully_reshardable``) and for a non-distributed one over bf16/fp16
+    params; the moments alone over fp32 params; none otherwise (``dp_reshardable`` is flat)."""
+    if optim == "fully_reshardable" or (optim == "adam" and params_dtype != "float32"):
+        return OPTIMIZER_STATES
+    return ("exp_avg", "exp_avg_sq") if optim == "adam" else ()
+
+
 def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None, names: str = "local"
                      ) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
     """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
 
-    Optimizer state is ``optimizer.state.<state>.<key>``: Adam's moments and fp32 main
-    params (``optim="fully_reshardable"``), or the moments alone for a non-distributed
-    optimizer over fp32 params (``optim="adam"``, megatron-core ``FP32Optimizer``: the
-    main params are the model's).
+    Optimizer state is keyed as :func:`optimizer_prefix` says, for the states of
+    :func:`optimizer_states`.
 
     Shapes are padded at ``sharding.config``'s tp, with the leading axes of
     :func:`dist_key`: layers stacked ``[num_layers, ...]`` (one key holds every
@@ -124,8 +146,8 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None,
     the path returned is expert 0's).
     """
     out: dict = {}
-    states = {"fully_reshardable": OPTIMIZER_STATES, "adam": ("exp_avg", "exp_avg_sq")}.get(optim or "", ())
-    prefixes = [("", None)] + [(f"optimizer.state.{s}.", s) for s in states]
+    prefixes = [("", None)] + [(optimizer_prefix(optim, s, cfg.params_dtype), s)
+                               for s in optimizer_states(optim, cfg.params_dtype)]
     for spec in param_specs(cfg):
         if spec.expert not in (None, 0) or (spec.layer not in (None, 0) and not cfg.dist_per_layer):
             continue

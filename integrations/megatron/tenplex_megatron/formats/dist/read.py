@@ -119,13 +119,15 @@ def _chained(optimizer: dict, where: str) -> tuple[dict, list | None]:
 def _optim_type(common: dict, keys, where: str = "") -> str | None:
     """``"fully_reshardable"``/``"dp_reshardable"`` (distributed optimizer), ``"adam"`` (a
     non-distributed one: ``{"state": {"common_step"}, "param_groups"}``, megatron-core
-    ``FP32Optimizer.sharded_state_dict``) or None."""
+    ``FP32Optimizer.sharded_state_dict``; over bf16/fp16 params the same under ``"optimizer"``,
+    ``Float16OptimizerWithFloat16Params.sharded_state_dict``, whose ``fp32_from_fp16_params``
+    are DCP tensors, :func:`~tenplex_megatron.formats.dist.keys.optimizer_prefix`) or None."""
     optimizer = common.get("optimizer") or {}
-    if "fp32_from_fp16_params" in optimizer:
-        raise ManifestError(f"{where}/common.pt: a non-distributed optimizer with bf16/fp16 params "
-                            "(fp32_from_fp16_params): tenplex reads its torch_dist state only with fp32 "
-                            "params; save legacy")
-    if "state" in optimizer or "param_groups" in optimizer:
+    inner = optimizer.get("optimizer")
+    if inner is not None and not isinstance(inner, dict):
+        raise ManifestError(f"{where}/common.pt: optimizer.optimizer is {type(inner).__name__}; expected a dict")
+    if "state" in optimizer or "param_groups" in optimizer or "fp32_from_fp16_params" in optimizer or (
+            isinstance(inner, dict) and "state" in inner):
         return "adam"
     kind = optimizer.get("param_state_sharding_type") \
         or (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
@@ -244,6 +246,37 @@ def _check_object(key, kind, cfg, config, where) -> None:
                             f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
 
 
+def _adam_body(optimizer: dict, params_dtype: str, root: str) -> dict:
+    """The ``{"state", "param_groups"}`` of a non-distributed optimizer's ``common.pt`` entry: the entry
+    itself over fp32 params (megatron-core ``FP32Optimizer``), its ``"optimizer"`` over bf16/fp16
+    params (``Float16OptimizerWithFloat16Params``, beside ``fp32_from_fp16_params``, whose tensors
+    are DCP items and leave at most empty lists here).
+
+    Raises:
+        ManifestError: the entry has the other optimizer's form or no groups, or
+            ``fp32_from_fp16_params`` holds anything but (nested) empty lists.
+    """
+    fp32 = params_dtype == "float32"
+    flat = "state" in optimizer or "param_groups" in optimizer
+    if flat != fp32:
+        raise ManifestError(f"{root}/common.pt: a non-distributed optimizer over {params_dtype} params is "
+                            + ("FP32Optimizer's {state, param_groups}" if fp32 else
+                               "Float16OptimizerWithFloat16Params' {optimizer: {state, param_groups}}")
+                            + f" in megatron-core; found the entries {sorted(map(str, optimizer))}")
+    left = optimizer.get("fp32_from_fp16_params", [])
+    while isinstance(left, (list, tuple)) and left and all(isinstance(g, (list, tuple)) for g in left):
+        left = [x for g in left for x in g]
+    if left != [] and left != ():
+        found = type(left[0] if isinstance(left, (list, tuple)) else left).__name__
+        raise ManifestError(f"{root}/common.pt: fp32_from_fp16_params holds {found} values; "
+                            "expected its tensors as DCP items (optimizer.state.fp32_param.*)")
+    body = optimizer if fp32 else optimizer.get("optimizer") or {}
+    if "state" not in body and "param_groups" not in body:
+        raise ManifestError(f"{root}/common.pt: the optimizer entry has no state or param_groups "
+                            f"(found the entries {sorted(map(str, optimizer))})")
+    return body
+
+
 def _common_step(optimizer: dict, root: str) -> float | None:
     """A non-distributed optimizer's shared Adam step (``state.common_step``; absent before the first step)."""
     state = optimizer.get("state") or {}
@@ -347,16 +380,14 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
-                     - ({"state", "param_groups"} if optim == "adam" else set()))
+                     - ({"state", "param_groups", "fp32_from_fp16_params"} if optim == "adam" else set()))
     if unknown:
         raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
     groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
     step = None
     if optim == "adam":
-        if cfg.params_dtype != "float32":
-            raise ManifestError(f"{root}: a non-distributed optimizer over {cfg.params_dtype} params without "
-                                "fp32_from_fp16_params; megatron-core keeps fp32 main params for them")
-        groups, step = optimizer.get("param_groups") or [], _common_step(optimizer, root)
+        body = _adam_body(optimizer, cfg.params_dtype, root)
+        groups, step = body.get("param_groups") or [], _common_step(body, root)
     if optim == "dp_reshardable":
         groups, expert_groups = _dp_groups(cfg, config, root, md)
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}

@@ -28,7 +28,7 @@ from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.formats.dist.buffers import flat_index, optimizer_buffers
-from tenplex_megatron.formats.dist.keys import EXTRA_KEY, dist_key
+from tenplex_megatron.formats.dist.keys import EXTRA_KEY, dist_key, optimizer_prefix
 from tenplex_megatron.formats.dist.read import DcpRecord, FoundDist, describe_dist, rng_coords
 from tenplex_megatron.dcp.records import MetadataIndex
 from tenplex_megatron.dcp.safe import read_objects
@@ -75,8 +75,7 @@ class DistSource(MegatronSource):
             spec = spec_of(self.desc.cfg, model)
             if self.optim == "dp_reshardable":
                 return self._flat_record(spec, state, coord, dtype)
-            # a non-distributed optimizer over fp32 params: the main params are the model's
-            prefix = "" if (self.optim, state) == ("adam", "param") else f"optimizer.state.{state}."
+            prefix = optimizer_prefix(self.optim, state, self.desc.cfg.params_dtype)
         else:
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)

@@ -36,7 +36,7 @@ from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.formats.parts import commit_parts, part_folder, part_ranks, remove_files, seal
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
-from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, rng_key
+from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, optimizer_prefix, optimizer_states, rng_key
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of
@@ -127,11 +127,14 @@ def common_state(values: TargetValues, optim: str | None, content: dict | None =
 
 
 def _adam_common(values: TargetValues, groups: list[dict]) -> dict:
-    """A non-distributed optimizer's ``common.pt`` entry (megatron-core ``FP32Optimizer.sharded_state_dict``):
-    its groups without ``params`` (rebuilt at load) and the shared Adam step."""
+    """A non-distributed optimizer's ``common.pt`` entry: its groups without ``params`` (rebuilt at
+    load) and the shared Adam step, as megatron-core ``FP32Optimizer.sharded_state_dict`` saves them
+    over fp32 params; over bf16/fp16 params under ``"optimizer"`` with the grad scaler beside
+    (``Float16OptimizerWithFloat16Params``: its ``fp32_from_fp16_params`` are DCP tensors)."""
     step = values.step()
-    return {"state": {} if step is None else {"common_step": torch.tensor(float(step))},
+    body = {"state": {} if step is None else {"common_step": torch.tensor(float(step))},
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
+    return body if values.cfg.params_dtype == "float32" else {"optimizer": body, **values.grad_scaler()}
 
 
 def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress=None,
@@ -169,9 +172,6 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
     has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
     optim = None if not has_optim else meta.get("optimizer") if meta.get("optimizer") in (
         "dp_reshardable", "adam") else "fully_reshardable"
-    if optim == "adam" and cfg.params_dtype != "float32":
-        raise ConfigError(f"a non-distributed optimizer over {cfg.params_dtype} params: tenplex writes its "
-                          "torch_dist state only for fp32 params (no fp32_from_fp16_params); write legacy")
     with TargetBuilder(source, to, threads, progress=progress) as build:
         writers = [r for r in range(to.world_size)  # the others hold replicas only (replica_id > 0)
                    if to.coord(r).dense_dp_first or to.coord(r).edp == 0]
@@ -237,12 +237,13 @@ def commit_dist(path: str, parts: list[dict], token: str) -> dict:
     return commit_parts(path, parts, token, finish)
 
 
-def _dcp_key(cfg: MegatronConfig, path: str, names: str = "local") -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+def _dcp_key(cfg: MegatronConfig, path: str, optim: str | None, names: str = "local"
+             ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """DCP key of tree path ``path``, its leading coordinates (layer, then global expert) and their sizes."""
     spec = spec_of(cfg, path if path.startswith("model/") else "model/" + path.split("/", 2)[2])
     key, lead, sizes = dist_key(cfg, spec, names)
     if not path.startswith("model/"):
-        key = f"optimizer.state.{path.split('/')[1]}.{key}"
+        key = optimizer_prefix(optim, path.split("/")[1], cfg.params_dtype) + key
     return key, lead, sizes
 
 
@@ -279,14 +280,13 @@ def _write_group(build, cfg, writer: DcpWriter, tmp: str, group, optim, names, d
 
 def _write_tensors(build, cfg, writer: DcpWriter, rank: int, optim, names: str = "local") -> None:
     sharding = build.runner.D
-    # a non-distributed optimizer's main params are the fp32 model params: only its moments are stored
-    prefixes = {"fully_reshardable": ("model/", "optimizer/"),
-                "adam": ("model/", "optimizer/exp_avg/", "optimizer/exp_avg_sq/")}.get(optim, ("model/",))
+    # over fp32 params a non-distributed optimizer's main params are the model's: not stored twice
+    prefixes = ("model/",) + tuple(f"optimizer/{state}/" for state in optimizer_states(optim, cfg.params_dtype))
     paths = [q for q in build.paths(rank) if q.startswith(prefixes)
              and any(c.ranks[0] == rank for c in sharding.classes(q))]
     coord = build.to.coord(rank)
     for path, local in build.stream(rank, paths):
-        key, lead, lead_sizes = _dcp_key(cfg, path, names)
+        key, lead, lead_sizes = _dcp_key(cfg, path, optim, names)
         size = sharding.physical_shape(build.tree[path])
         held = sharding.holding(path, coord)
         for piece in held.pieces:
