@@ -44,6 +44,19 @@ def test_family_export_matches_megatron(sources, tmp_path, model, fmt):
     assert (hf_logits(tmp_path / "hf", tokens) - ref).abs().max().item() <= TOL
 
 
+def test_mistral_on_request(sources, tmp_path):
+    """Mistral expresses no more than Llama: a plain model exports as Llama by default and as
+    ``MistralForCausalLM`` with ``--hf-arch mistral`` (full attention: ``sliding_window`` null), whose
+    logits transformers computes as megatron-core did."""
+    src = sources("llama")
+    done = export(src / "dist", tmp_path / "hf", "--hf-arch", "mistral")
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] is None, config
+    ref, tokens = reference(src)
+    assert (hf_logits(tmp_path / "hf", tokens) - ref).abs().max().item() <= TOL
+
+
 def test_expert_tensor_parallel_halves_are_joined_in_order(sources, tmp_path):
     """Negative control for the etp source: Mixtral's export (tp2, cp2, ep2, etp2) with one expert's
     two etp halves of ``w2`` swapped misses megatron-core's logits."""

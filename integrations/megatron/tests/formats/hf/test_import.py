@@ -28,6 +28,9 @@ MODELS = {
                                       rms_norm_eps=1e-5, rope_parameters={"rope_theta": 1000000.0,
                                                                           "rope_type": "default"}),
                 "--ffn 48 --experts 4 --topk 2 --moe-ffn 48 --eps 1e-5 --rotary-base 1000000"),
+    "mistral": ("MistralConfig", dict(intermediate_size=96, rms_norm_eps=1e-6, sliding_window=None,
+                                      rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
+                "--ffn 96 --eps 1e-6 --rotary-base 1000000"),
     "qwen2": ("Qwen2Config", dict(intermediate_size=96, rms_norm_eps=1e-6,
                                   rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
               "--ffn 96 --add-qkv-bias --eps 1e-6 --rotary-base 1000000"),
@@ -60,6 +63,7 @@ def hf_models(tmp_path_factory):
 @pytest.mark.parametrize("name,n,to,fmt", [
     ("llama", 4, "tp=2,pp=2", "megatron-dist"),
     ("qwen2", 4, "tp=2,pp=2", "megatron-legacy"),  # qkv bias
+    ("mistral", 2, "tp=2", "megatron-dist"),
     ("qwen3_moe", 2, "dp=2,ep=2", "megatron-dist"),
     ("mixtral", 2, "dp=2,ep=2", "megatron-legacy"),
 ])

@@ -151,6 +151,24 @@ def test_hf_arch_overrides_and_refuses_what_it_cannot_express():
     assert {"llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"} <= set(families())
 
 
+def test_mistral_imports_with_full_attention_only():
+    """transformers' MistralConfig defaults to a 4096-token sliding window (Mistral 7B v0.1); v0.2 on
+    set null. megatron-core GPTs here attend to every token, so only null imports."""
+    import transformers
+
+    from tenplex_megatron.formats.hf.hfconfig import args_from_config
+
+    mistral = families()["mistral"]
+    base = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=100).to_dict()
+    with pytest.raises(ConfigError, match="sliding-window attention"):
+        args_from_config(base, mistral, "config.json")
+    args = args_from_config({**base, "sliding_window": None}, mistral, "config.json")
+    assert (args["num_query_groups"], args["kv_channels"], args["add_bias_linear"]) == (2, 8, False)
+    with pytest.raises(ConfigError, match="attention_bias=true in mistral"):
+        args_from_config({**base, "sliding_window": None, "attention_bias": True}, mistral, "config.json")
+
+
 def test_fields_come_from_args_with_megatron_defaults():
     f = ModelFields.from_args({"layernorm_epsilon": 1e-6, "rotary_base": 500000, "use_rope_scaling": True})
     assert (f.norm_epsilon, f.rotary_base, f.use_rope_scaling, f.in_args) == (1e-6, 500000.0, True, True)
