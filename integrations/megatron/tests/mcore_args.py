@@ -26,7 +26,7 @@ def _model_flags(add) -> None:
     for name in ("etp", "vpp", "query-groups", "ffn", "max-pos", "experts", "moe-ffn", "shared-ffn",
                  "bucket-size"):
         add(f"--{name}", type=int, default=None)
-    for name in ("swiglu", "untie", "bf16", "qk-layernorm", "add-qkv-bias", "rotary-interleaved", "pre-softmax",
+    for name in ("swiglu", "untie", "bf16", "fp16", "qk-layernorm", "add-qkv-bias", "rotary-interleaved", "pre-softmax",
                  "expert-bias", "grouped-gemm", "cp-in-config", "no-te-gemm-fix", "distinct-experts"):
         add(f"--{name}", action="store_true")
     add("--position", choices=["rope", "learned_absolute"])

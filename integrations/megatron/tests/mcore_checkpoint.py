@@ -100,7 +100,7 @@ class CheckpointMixin:
             global_batch_size=a.batch, consumed_train_samples=a.batch * max(a.train_steps, 0),
             consumed_valid_samples=0, train_iters=max(a.train_steps, 0), seed=a.seed, lr=a.lr,
             min_lr=a.lr / 10, optimizer="adam", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
-            weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=a.dist_opt, fp16=False, bf16=a.bf16,
+            weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=a.dist_opt, fp16=a.fp16, bf16=a.bf16,
             params_dtype=self.dtype, accumulate_allreduce_grads_in_fp32=True, transformer_impl="local",
             ckpt_format="torch", use_dist_ckpt=False, no_save_optim=not a.optimizer, no_save_rng=False,
             data_parallel_random_init=False, iteration=a.iteration)

@@ -73,8 +73,9 @@ class RunMixin:
             for v in reversed(range(len(self.models))):
                 c = v * pp + p
                 h_in, out = saved[v]
-                if c == nchunks - 1:
-                    out.float().mean().backward()
+                if c == nchunks - 1:  # fp16: megatron-core's loss scale (Megatron-LM's grad_scale_func)
+                    loss = out.float().mean()
+                    (loss * self.optimizer.get_loss_scale() if getattr(self.a, "fp16", False) else loss).backward()
                 else:
                     out.backward(self._recv(tuple(out.shape), next_r))
                 if c > 0:

@@ -41,7 +41,8 @@ Actions, in this order (each optional):
    logits written to LOGITS (one process group checks several checkpoints; each load starts from a
    freshly built model, so nothing carries over from an earlier one).
 
-Model flags beyond the obvious ones: ``--bf16`` (bf16 params, fp32 main params and grad reduction),
+Model flags beyond the obvious ones: ``--bf16`` (bf16 params, fp32 main params and grad reduction;
+``--fp16`` the same in fp16, with megatron-core's dynamic loss scaler from 2**10),
 ``--qk-layernorm``, ``--add-qkv-bias``, ``--eps``, ``--rotary-base``, ``--rotary-interleaved``,
 ``--rope-scaling F``; experts: ``--experts E --topk K --moe-ffn F --shared-ffn F``,
 ``--moe-layer-freq N|[1,0,..]``, ``--expert-bias`` (sigmoid router + aux-loss-free expert_bias),
@@ -180,7 +181,7 @@ class Worker(CheckpointMixin, RunMixin):
         self.first = ps.is_pipeline_first_stage()
         self.last = ps.is_pipeline_last_stage()
         self.padded_vocab = padded_vocab_size(a.vocab, a.make_vocab_size_divisible_by, a.tp)
-        self.dtype = torch.bfloat16 if a.bf16 else torch.float32
+        self.dtype = torch.bfloat16 if a.bf16 else torch.float16 if a.fp16 else torch.float32
         print(f"RANK {dist.get_rank()} tp={self.tp_rank} cp={self.cp_rank} dp={self.dp_rank} "
               f"pp={self.pp_rank} etp={self.etp_rank} ep={self.ep_rank} edp={self.edp_rank}", flush=True)
         log0(f"TIME init {time.time() - t:.2f} (since process start {time.time() - _T0:.2f})")
@@ -221,7 +222,7 @@ class Worker(CheckpointMixin, RunMixin):
             pipeline_model_parallel_size=a.pp, virtual_pipeline_model_parallel_size=a.vpp,
             context_parallel_size=a.cp if a.cp_in_config else 1,
             sequence_parallel=a.sp == "on", pipeline_dtype=self.dtype, params_dtype=self.dtype,
-            bf16=a.bf16, add_qkv_bias=a.add_qkv_bias, qk_layernorm=a.qk_layernorm,
+            bf16=a.bf16, fp16=a.fp16, add_qkv_bias=a.add_qkv_bias, qk_layernorm=a.qk_layernorm,
             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
             apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -265,8 +266,8 @@ class Worker(CheckpointMixin, RunMixin):
                 vp_stage=vp))
             if a.device == "cuda":  # Megatron-LM's get_model: model_module.cuda(torch.cuda.current_device())
                 self.models[-1].cuda()
-            if a.bf16:  # Megatron-LM's Float16Module converts the whole model, norms included
-                self.models[-1].bfloat16()
+            if a.bf16 or a.fp16:  # Megatron-LM's Float16Module converts the whole model, norms included
+                self.models[-1].to(self.dtype)
         if a.names == "te":
             from te_names import use_te_dist_names
 
@@ -296,7 +297,7 @@ class Worker(CheckpointMixin, RunMixin):
         self.opt_config = OptimizerConfig(
             optimizer="adam", lr=a.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
             adam_eps=1e-8, use_distributed_optimizer=a.dist_opt, clip_grad=1.0, bf16=a.bf16,
-            fp16=False, params_dtype=self.dtype)
+            fp16=a.fp16, initial_loss_scale=2.0 ** 10, params_dtype=self.dtype)
         self.optimizer = get_megatron_optimizer(self.opt_config, self.ddps)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=a.lr, min_lr=a.lr / 10, lr_warmup_steps=0,

@@ -92,3 +92,45 @@ def test_bf16_non_distributed_adam_two_more_steps_match_after_reshard(tmp_path):
         assert len(expected) == len(got) == 2
         for e, g in zip(expected, got):
             assert abs(e - g) <= 1e-6, (src_fmt, dst_fmt, expected, got)
+
+
+def _grad_scalers(root) -> list:
+    """The grad scaler state of every rank file (legacy) or of ``common.pt`` (torch_dist) under ``root``."""
+    import argparse
+
+    import torch
+
+    files = sorted(root.glob("**/model_optim_rng.pt")) or sorted(root.glob("**/common.pt"))
+    with torch.serialization.safe_globals([argparse.Namespace]):  # written by megatron-core or tenplex here
+        return [torch.load(f, weights_only=False)["optimizer"]["grad_scaler"] for f in files]
+
+
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["adam", "distributed-optimizer"])
+def test_fp16_two_more_steps_match_after_reshard(tmp_path, dist_opt):
+    """fp16 params with megatron-core's dynamic loss scaler, whose state (``scale``, a tensor, and the
+    growth and hysteresis trackers) sits beside the optimizer: in every ``model_optim_rng.pt`` and in
+    ``common.pt``. Resharded across formats to tp 2, pp 2, the scaler is the source's in every target
+    file and megatron-core's next two losses equal the uninterrupted run's. Legacy fp16 checkpoints
+    were refused before (``grad_scaler.'scale': a TensorRef cannot be kept as JSON``)."""
+    import torch
+
+    flags = FLAGS.replace(" --dist-opt", " --dist-opt" if dist_opt else "") + " --fp16"
+    src = tmp_path / "src"
+    expected = losses(run_worker(2, 1, flags, "--save", "both", "--save-dir", str(src),
+                                 "--train-after-save", "2"))[2:]
+    want = _grad_scalers(src / "legacy")[0]
+    assert want["scale"].numel() == 1 and _grad_scalers(src / "dist") == [want]
+    for src_fmt, dst_fmt in [("legacy", "dist"), ("dist", "legacy")]:
+        dst = tmp_path / f"{src_fmt}-to-{dst_fmt}"
+        done = tenplex("reshard", str(src / src_fmt), str(dst), "--to", "dp=1,tp=2,pp=2",
+                       "--format", f"megatron-{dst_fmt}")
+        assert done.returncode == 0, done.stderr
+        got_scalers = _grad_scalers(dst)
+        assert len(got_scalers) == (1 if dst_fmt == "dist" else 4)
+        for s in got_scalers:
+            assert set(s) == set(want) and torch.equal(s["scale"], want["scale"]), (s, want)
+            assert all(s[k] == want[k] for k in want if k != "scale"), (s, want)
+        got = losses(run_worker(2, 2, flags, "--load", dst_fmt, "--load-dir", str(dst)))
+        assert len(expected) == len(got) == 2
+        for e, g in zip(expected, got):
+            assert abs(e - g) <= 1e-6, (src_fmt, dst_fmt, expected, got)

@@ -42,6 +42,7 @@ from tenplex_megatron.torchfiles.jsonable import to_jsonable
 from tenplex_megatron.model.layouts import (chunk_keys, megatron_tree, optimizer_path, param_order,
                                       param_specs, rank_keys)  # rank_keys: re-exported
 from tenplex_megatron.formats.legacy.grid import legacy_grid, legacy_writers, rank_dir_name, rank_dirs
+from tenplex_megatron.formats.legacy.optimizer_meta import adam_steps, optimizer_meta, optimizer_subs
 from tenplex_megatron.model.limits import SCALARS, check_args, check_scalars
 from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs
 from tenplex_megatron.formats.source import MegatronSource, empty_extra_state, extra_state_note
@@ -153,21 +154,11 @@ def _model_refs(cfg, config, sharding, t, p, e, v, model: dict, where: str, sche
     return out
 
 
-def _subs(optim: Any, where: str) -> list[dict]:
-    """The sub-optimizers' state dicts: one, or ``[dense, expert]`` (``ChainedOptimizer.state_dict``
-    at ep > 1)."""
-    subs = optim if isinstance(optim, list) else [optim]
-    if not 1 <= len(subs) <= 2 or not all(isinstance(o, dict) for o in subs):
-        raise ManifestError(f"{where}: the optimizer entry is a {type(optim).__name__}; expected a dict "
-                            "or [dense, expert] dicts")
-    return subs
-
-
 def _optimizer_kind(first: dict, has_distrib: bool, iter_dir: str) -> str | None:
     optim = first.get("optimizer")
     if optim is None:
         return None
-    subs = _subs(optim, iter_dir)
+    subs = optimizer_subs(optim, iter_dir)
     if has_distrib:
         return "distrib_optim"
     inner = [o.get("optimizer", o) if isinstance(o.get("optimizer"), dict) else o for o in subs]
@@ -190,7 +181,7 @@ def _sub_specs(cfg, config, p, e, v, n_subs: int, where: str) -> list[list]:
 def _adam_refs(cfg, config, sharding, t, p, e, optim, model_refs: dict, where: str, writer) -> dict:
     """A non-distributed Adam's refs in the file of (``t``, ``p``, ``e``) written by ``writer``: dense
     state from dense dp x cp rank 0's files, expert state keyed by the writer's expert-tp rank."""
-    subs = _subs(optim, where)
+    subs = optimizer_subs(optim, where)
     out = {}
     for sub, specs in zip(subs, _sub_specs(cfg, config, p, e, 0, len(subs), where)):
         if not writer.dense_dp_first:
@@ -231,45 +222,6 @@ def _adam_sub(sharding, t, p, optim: dict, specs: list, model_refs: dict, where:
                     raise ManifestError(f"{where}: {spec.path} is {ref.dtype} and the optimizer keeps no "
                                         "fp32 main params (fp32_from_fp16_params)")
             out[(optimizer_path("param", spec.path), t, p)] = ref
-    return out
-
-
-def _steps(optim) -> list[Any]:
-    """The ``step`` entries (tensors as refs) of non-distributed Adam state dicts."""
-    out = []
-    for sub in _subs(optim, "optimizer"):
-        inner = sub if "state" in sub else sub["optimizer"]
-        out += [st["step"] for st in (inner.get("state") or {}).values() if "step" in st]
-    return out
-
-
-_OPTIMIZER_KEYS = {"state", "param_groups", "optimizer", "fp32_from_fp16_params", "grad_scaler"}
-
-
-def _optimizer_meta(optim, where: str) -> dict:
-    """The optimizer's param groups (without ``params``) and grad scaler, as JSON; ``step`` later.
-
-    Megatron's optimizers save ``{"state", "param_groups"}`` (``FP32Optimizer``),
-    ``{"optimizer", "fp32_from_fp16_params", "grad_scaler"}`` (``Float16OptimizerWithFloat16Params``)
-    or ``{"optimizer", "grad_scaler"}`` (``DistributedOptimizer``); at ep > 1 a list
-    ``[dense, expert]`` of them (``ChainedOptimizer``), whose expert groups are kept
-    as ``expert_param_groups``.
-
-    Raises:
-        ManifestError: for any other entry (tenplex would not carry it).
-    """
-    subs = _subs(optim, where)
-    groups = []
-    for sub in subs:
-        unknown = sorted(set(sub) - _OPTIMIZER_KEYS)
-        if unknown:
-            raise ManifestError(f"{where}: optimizer entries {unknown} are not supported")
-        inner = sub["optimizer"] if isinstance(sub.get("optimizer"), dict) else sub
-        groups.append([{k: v for k, v in g.items() if k != "params"} for g in inner.get("param_groups", [])])
-    out = {"param_groups": to_jsonable(groups[0], f"{where}: optimizer param_groups"), "step": None,
-           "grad_scaler": to_jsonable(subs[0].get("grad_scaler"), f"{where}: grad_scaler")}
-    if len(groups) == 2:
-        out["expert_param_groups"] = to_jsonable(groups[1], f"{where}: expert param_groups")
     return out
 
 
@@ -359,7 +311,10 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         loaded = dict(zip(model_files, pool.map(_load, model_files.values())))
         opt_loaded = dict(zip(distrib, pool.map(_load, distrib.values())))
-    nbytes = sum(n for _, n in loaded.values()) + sum(n for _, n in opt_loaded.values())
+    nbytes = [sum(n for _, n in loaded.values()) + sum(n for _, n in opt_loaded.values())]
+
+    def count(n: int) -> None:  # bytes of the small tensors read to describe it (the grad scaler's)
+        nbytes[0] += n
     first = loaded[min(loaded)][0]
     args = first.get("args")
     check_args(args, model_files[min(loaded)])  # issue 20: bound every count before it sizes a loop
@@ -428,7 +383,7 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         "megatron/checkpoint_version": first.get("checkpoint_version"),
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(first.get("opt_param_scheduler"), "opt_param_scheduler"),
-        "megatron/optimizer": None if kind is None else _optimizer_meta(first["optimizer"], iter_dir),
+        "megatron/optimizer": None if kind is None else optimizer_meta(first["optimizer"], iter_dir, count),
         "megatron/num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far"),
         "megatron/rng_state": sorted(rng_refs),
         "megatron/extra": _extra(files, iter_dir, config.vpp) or None,
@@ -439,9 +394,9 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if schemes:
         meta["megatron"]["expert_names"] = schemes.pop()
     meta["megatron"]["names"] = names.pop() if names else "local"
-    steps = _steps(first["optimizer"]) if kind == "adam" else []
+    steps = adam_steps(first["optimizer"]) if kind == "adam" else []
     notes = [extra_state_note(len(dropped), dropped[0])] if dropped else []
-    return Found(Description(cfg, config, tree, values, meta, notes, sharding), refs, rng_refs, steps, nbytes)
+    return Found(Description(cfg, config, tree, values, meta, notes, sharding), refs, rng_refs, steps, nbytes[0])
 
 
 class LegacySource(MegatronSource):
