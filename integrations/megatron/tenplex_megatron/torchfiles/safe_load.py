@@ -104,9 +104,20 @@ def _stream_size(f) -> int:
     return size
 
 
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+"""The first bytes of a ``torch.save`` file in the format before torch 1.6 (or saved with
+``_use_new_zipfile_serialization=False``): the pickled magic number 0x1950a86a20f9469cfc6c
+(``torch/serialization.py``, ``MAGIC_NUMBER``)."""
+
+
 def _validate(f, size: int, what: str, rules: dict) -> Any:
     """Interpret ``f``'s ``data.pkl`` under ``rules`` (storages carry their record's offset in ``f``)."""
     start = f.tell()
+    if f.read(len(LEGACY_MAGIC)) == LEGACY_MAGIC:
+        raise CorruptShardError(f"{what}: a torch.save file in the format before torch 1.6 "
+                                "(_use_new_zipfile_serialization=False); tenplex reads the zip format only: "
+                                "load it and torch.save it again with torch >= 1.6, where you trust the file")
+    f.seek(start)
     try:
         archive = torch._C.PyTorchFileReader(f)
         return _validate_archive(archive, f, start, size, what, rules)

@@ -183,6 +183,11 @@ def test_tensor_refs_read_only_what_is_asked(tmp_path):
     (tmp_path / "c.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(CorruptShardError, match="not a torch zip archive"):
         load_refs(str(tmp_path / "c.pt"))
+    # torch.save's format before 1.6: named as such, with the way out, not as a corrupt zip
+    torch.save({"w": w[:2]}, tmp_path / "d.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(CorruptShardError, match=r"d.pt: a torch.save file in the format before torch 1.6 .*"
+                                                r"torch.save it again with torch >= 1.6"):
+        load_refs(str(tmp_path / "d.pt"))
 
 
 def test_dcp_records_mirror_torch_classes():
