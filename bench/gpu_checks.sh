@@ -8,7 +8,9 @@
 # and saved on the GPU (legacy and torch_dist, distributed optimizer), verified and resharded by tenplex, then
 # loaded by megatron-core on CPU at tp2 pp2 (4 gloo processes): the logits must match the GPU's; 4. a bf16 GPT
 # trained on the GPU with a non-distributed Adam, saved legacy, resharded to tp2 pp2 and back: every model
-# and optimizer tensor must come back bit for bit, and megatron-core must load the tp2 pp2 files.
+# and optimizer tensor must come back bit for bit, and megatron-core must load the tp2 pp2 files; 5. fp16 (loss
+# scaler) and bf16 with a non-distributed Adam saved in both formats: through the other format and back, every
+# torch_dist tensor and the optimizer entry come back bit for bit.
 R=$PWD; export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 nvidia-smi -L
 python3 -c "import torch, megatron.core, xxhash, fsspec, scipy, safetensors, tqdm; print('torch', torch.__version__, 'mcore', megatron.core.__version__)"
@@ -78,3 +80,31 @@ timeout 240 torchrun --standalone --nproc_per_node=4 mcore_worker.py --tp 2 --pp
 python3 -c "
 import torch; g = torch.load('$G/bf16_gpu_logits.pt')['logits'].float(); c = torch.load('$G/bf16_2x2_logits.pt')['logits'].float()
 print('bf16 tp2 pp2 on CPU: max |cpu - gpu| logits', (c - g).abs().max().item(), 'of max', g.abs().max().item(), '(bf16 arithmetic differs between devices)')"
+echo "== 5. fp16 (loss scaler) and bf16 with a non-distributed Adam, trained on the GPU, saved in both formats"
+for K in fp16 bf16; do
+timeout 240 torchrun --standalone --nproc_per_node=1 mcore_worker.py --device cuda $M --$K --train-steps 2 --save both --save-dir $G/$K 2>&1 | grep -v Warning | tail -1
+for s in legacy dist; do python3 -m tenplex verify $G/$K/$s 2>&1 | tail -1; done
+python3 -m tenplex reshard $G/$K/dist $G/${K}_l --to dp=1,tp=2,pp=2 --format megatron-legacy 2>&1 | tail -1
+python3 -m tenplex reshard $G/${K}_l $G/${K}_ld --to dp=1,tp=1,pp=1 --format megatron-dist 2>&1 | tail -1
+python3 -m tenplex reshard $G/$K/legacy $G/${K}_d --to dp=1,tp=2,pp=2 --format megatron-dist 2>&1 | tail -1
+python3 -m tenplex reshard $G/${K}_d $G/${K}_dd --to dp=1,tp=1,pp=1 --format megatron-dist 2>&1 | tail -1
+python3 - <<P 2>&1 | grep -v Warn | tail -2
+# torch_dist -> legacy tp2 pp2 -> torch_dist tp1 (and legacy -> dist tp2 pp2 -> dist tp1) give back every tensor
+import argparse, glob, torch
+from torch.distributed.checkpoint import FileSystemReader, load
+def read(d):
+    d = (glob.glob(d + '/iter_*/') or [d])[0]
+    md = FileSystemReader(d).read_metadata()
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items() if hasattr(v, 'size')}
+    load(sd, checkpoint_id=d, no_dist=True)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return sd, torch.load(d + '/common.pt', map_location='cpu', weights_only=False)['optimizer']
+a, ca = read('$G/$K/dist')
+for b in ('ld', 'dd'):
+    t, c = read('$G/${K}_' + b)
+    bad = sorted(set(a) ^ set(t)) + [k for k in a if k in t and not torch.equal(a[k], t[k])]
+    print('$K', b, len(a), 'tensors,', sum(v.numel() * v.element_size() for v in a.values()), 'bytes; fp32_param keys:',
+          sum(k.startswith('optimizer.state.fp32_param.') for k in a), '; different:', bad[:3] or 'none',
+          '; grad scaler', ca.get('grad_scaler'), 'same' if str(c) == str(ca) else f'DIFFERS {c}')
+P
+done
