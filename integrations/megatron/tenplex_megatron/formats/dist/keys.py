@@ -5,7 +5,8 @@ keyed one by one (``decoder.layers.<l>.*``) when ``moe_layer_freq`` mixes
 dense and MoE layers (:func:`dist_key`); norms under TE-style names
 (:mod:`tenplex_megatron.model.layouts`). Optimizer state is
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` (``fully_reshardable``;
-a non-distributed optimizer: :func:`optimizer_prefix`) or flat buffers per model-parallel rank and bucket (``dp_reshardable``,
+a non-distributed optimizer: :func:`optimizer_prefix`) or flat buffers per
+model-parallel rank and bucket (``dp_reshardable``,
 :mod:`tenplex_megatron.model.flatbuf`). Byte objects are megatron-core
 ``ShardedObject`` s, stored under ``<key>/shard_<offset>_<shape>``
 (``dist_checkpointing/mapping.py::ShardedObject.unique_key``):
@@ -29,7 +30,8 @@ from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
 from tenplex_megatron.torchfiles.safe_load import open_regular
 
-__all__ = ["COMMON_STATE", "dist_names", "optimizer_prefix", "optimizer_states", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+__all__ = ["COMMON_STATE", "dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
+           "optimizer_prefix", "optimizer_states",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
            "known_extra_state", "dist_key"]
 

@@ -36,7 +36,8 @@ from tenplex_megatron.formats.folders import iteration_dir_name, write_tracker
 from tenplex_megatron.formats.parts import commit_parts, part_folder, part_ranks, remove_files, seal
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
-from tenplex_megatron.formats.dist.keys import dist_key, extra_state_objects, optimizer_prefix, optimizer_states, rng_key
+from tenplex_megatron.formats.dist.keys import (dist_key, extra_state_objects, optimizer_prefix, optimizer_states,
+                                                rng_key)
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of

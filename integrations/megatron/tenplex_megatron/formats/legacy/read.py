@@ -311,10 +311,8 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         loaded = dict(zip(model_files, pool.map(_load, model_files.values())))
         opt_loaded = dict(zip(distrib, pool.map(_load, distrib.values())))
-    nbytes = [sum(n for _, n in loaded.values()) + sum(n for _, n in opt_loaded.values())]
-
-    def count(n: int) -> None:  # bytes of the small tensors read to describe it (the grad scaler's)
-        nbytes[0] += n
+    nbytes = sum(n for _, n in loaded.values()) + sum(n for _, n in opt_loaded.values())
+    scaler_reads: list[int] = []  # bytes of the grad scaler's tensors, read to describe it
     first = loaded[min(loaded)][0]
     args = first.get("args")
     check_args(args, model_files[min(loaded)])  # issue 20: bound every count before it sizes a loop
@@ -383,7 +381,8 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         "megatron/checkpoint_version": first.get("checkpoint_version"),
         "megatron/args": args_to_json(args) if args is not None else None,
         "megatron/opt_param_scheduler": to_jsonable(first.get("opt_param_scheduler"), "opt_param_scheduler"),
-        "megatron/optimizer": None if kind is None else optimizer_meta(first["optimizer"], iter_dir, count),
+        "megatron/optimizer": None if kind is None else optimizer_meta(first["optimizer"], iter_dir,
+                                                                           scaler_reads.append),
         "megatron/num_floating_point_operations_so_far": first.get("num_floating_point_operations_so_far"),
         "megatron/rng_state": sorted(rng_refs),
         "megatron/extra": _extra(files, iter_dir, config.vpp) or None,
@@ -396,7 +395,8 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     meta["megatron"]["names"] = names.pop() if names else "local"
     steps = adam_steps(first["optimizer"]) if kind == "adam" else []
     notes = [extra_state_note(len(dropped), dropped[0])] if dropped else []
-    return Found(Description(cfg, config, tree, values, meta, notes, sharding), refs, rng_refs, steps, nbytes[0])
+    return Found(Description(cfg, config, tree, values, meta, notes, sharding), refs, rng_refs, steps,
+                 nbytes + sum(scaler_reads))
 
 
 class LegacySource(MegatronSource):
