@@ -60,7 +60,7 @@ def test_a_feature_no_family_covers_is_refused_in_one_line(sources, tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
         "tenplex reshard: cannot export to Hugging Face: the checkpoint has a non-gated MLP (swiglu off), "
-        "which no family (llama, mixtral, qwen2, qwen3, qwen3_moe) expresses with its other features")
+        "which no family (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe) expresses with its other features")
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob("hf.tenplex-partial-*"))
 
 
