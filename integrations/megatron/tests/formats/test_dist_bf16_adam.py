@@ -22,7 +22,8 @@ from mcore_helpers import run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-FLAGS = "--layers 2 --hidden 32 --heads 4 --ffn 64 --vocab 64 --seq 8 --batch 2 --train-steps 1 --bf16"
+FLAGS = ("--layers 2 --hidden 32 --heads 4 --ffn 64 --swiglu --position rope --untie --vocab 64 --seq 8 --batch 2 "
+         "--train-steps 1 --bf16")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,24 @@ def test_main_params_and_moments_survive_both_formats_bit_for_bit(src, tmp_path)
             assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), (back, key)
         assert our_optim == their_optim, back
     assert "OK (megatron-dist)" in _cli(tmp_path, "verify", str(tmp_path / "d"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_float32_hf_export_takes_the_main_params(src, tmp_path):
+    """``--dtype float32`` exports the fp32 main params (``optimizer.state.fp32_param.*``), not the bf16
+    params upcast: checked on the tensors the export copies as they are."""
+    from safetensors import safe_open
+
+    theirs, _ = _read(src)
+    _cli(tmp_path, "reshard", str(src), str(tmp_path / "hf"), "--format", "hf", "--dtype", "float32")
+    main = "optimizer.state.fp32_param."
+    with safe_open(str(next((tmp_path / "hf").glob("*.safetensors"))), "pt") as f:
+        pairs = [(f.get_tensor("model.norm.weight"), theirs[main + "decoder.final_layernorm.weight"])]
+        pairs += [(f.get_tensor(f"model.layers.{i}.mlp.down_proj.weight"),
+                   theirs[main + "decoder.layers.mlp.linear_fc2.weight"][i]) for i in range(2)]
+    for got, want in pairs:
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.equal(pairs[0][1], pairs[0][1].bfloat16().float())  # the main params are not bf16 values
 
 
 def _edited(src: pathlib.Path, tmp: pathlib.Path, edit) -> pathlib.Path:
