@@ -26,13 +26,13 @@ from tenplex.ptree.region import Box
 from tenplex.transform.plan import PaddingChange
 
 from tenplex_megatron.formats.common import TargetValues
-from tenplex_megatron.formats.dist.keys import COMMON_STATE, RNG_KEY, rng_key
+from tenplex_megatron.formats.dist.keys import COMMON_STATE, RNG_KEY, optimizer_prefix, optimizer_states, rng_key
 from tenplex_megatron.formats.dist.read import read_common
 from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.formats.dist.source import DistSource, chunk_path, open_dist
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.formats.dist.write import commit_dir, temp_dir
-from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_attention_tp, param_specs
+from tenplex_megatron.model.layouts import check_attention_tp, param_specs
 
 __all__ = ["reshard_dist"]
 
@@ -60,7 +60,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
     cfg = source.desc.cfg
     source.tree.validate(to)
     check_attention_tp(cfg, to.tp)
-    vocab = {k: p for k, p in _vocab_keys(cfg).items() if k in source.md.state_dict_metadata}  # stored ones only
+    vocab = {k: p for k, p in _vocab_keys(cfg, source.optim).items() if k in source.md.state_dict_metadata}
     old, new = cfg.padded_vocab(source.config.tp), cfg.padded_vocab(to.tp)
     values = _target_values(source, to)
     tmp = temp_dir(dst, values.iteration)
@@ -92,15 +92,15 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
             "files": len(by_file), "padding": padding, "notes": values.notes, "direct": True}
 
 
-def _vocab_keys(cfg) -> dict[str, str]:
-    """``{DCP key: tree path}`` of every vocabulary-padded tensor (model and model-space optimizer)."""
+def _vocab_keys(cfg, optim: str | None) -> dict[str, str]:
+    """``{DCP key: tree path}`` of every vocabulary-padded tensor (model and model-space optimizer,
+    keyed as :func:`~tenplex_megatron.formats.dist.keys.optimizer_prefix` says)."""
     out = {}
     for spec in param_specs(cfg):
         if spec.leaf.layout.padding is not None:
             out[spec.dist] = spec.path
-            for state, name in [(s, s) for s in OPTIMIZER_STATES] + [("param", "fp32_param")]:
-                # fp32_param: a non-distributed optimizer's main params over bf16/fp16 params (optimizer_prefix)
-                out[f"optimizer.state.{name}.{spec.dist}"] = \
+            for state in optimizer_states(optim, cfg.params_dtype):
+                out[optimizer_prefix(optim, state, cfg.params_dtype) + spec.dist] = \
                     f"optimizer/{state}/{spec.path.removeprefix('model/')}"
     return out
 
