@@ -29,7 +29,8 @@ FLAGS = ("--layers 2 --hidden 32 --heads 4 --ffn 64 --swiglu --position rope --u
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> pathlib.Path:
     d = tmp_path_factory.mktemp("bf16-adam-dist")
-    run_worker(1, 1, FLAGS, "--save", "dist", "--save-dir", str(d))
+    run_worker(1, 1, FLAGS, "--save", "dist", "--save-dir", str(d), "--dist-layout", "megatron")
+    assert (d / "latest_checkpointed_iteration.txt").exists()  # Megatron-LM's --save root
     return d
 
 
@@ -97,10 +98,11 @@ def _edited(src: pathlib.Path, tmp: pathlib.Path, edit) -> pathlib.Path:
 
     out = tmp / "ckpt"
     shutil.copytree(src, out)
+    path = next(out.glob("iter_*")) / "common.pt"
     with torch.serialization.safe_globals([argparse.Namespace]):  # written by megatron-core here
-        common = torch.load(out / "common.pt", weights_only=False)
+        common = torch.load(path, weights_only=False)
     edit(common["optimizer"])
-    torch.save(common, out / "common.pt")
+    torch.save(common, path)
     return out
 
 

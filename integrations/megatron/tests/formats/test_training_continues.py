@@ -81,7 +81,7 @@ def test_bf16_non_distributed_adam_two_more_steps_match_after_reshard(tmp_path):
     The torch_dist source was refused before (``unknown key optimizer.state.fp32_param...``)."""
     flags = FLAGS.replace(" --dist-opt", "") + " --bf16"
     src = tmp_path / "src"
-    expected = losses(run_worker(2, 1, flags, "--save", "both", "--save-dir", str(src),
+    expected = losses(run_worker(2, 1, flags, "--save", "both", "--save-dir", str(src), "--dist-layout", "megatron",
                                  "--train-after-save", "2"))[2:]
     # dist -> legacy: test_dist_bf16_adam.py (through legacy and back, bit for bit)
     for src_fmt, dst_fmt in [("legacy", "legacy"), ("dist", "dist"), ("legacy", "dist")]:
@@ -117,7 +117,7 @@ def test_fp16_two_more_steps_match_after_reshard(tmp_path, dist_opt):
 
     flags = FLAGS.replace(" --dist-opt", " --dist-opt" if dist_opt else "") + " --fp16"
     src = tmp_path / "src"
-    expected = losses(run_worker(2, 1, flags, "--save", "both", "--save-dir", str(src),
+    expected = losses(run_worker(2, 1, flags, "--save", "both", "--save-dir", str(src), "--dist-layout", "megatron",
                                  "--train-after-save", "2"))[2:]
     want = _grad_scalers(src / "legacy")[0]
     assert want["scale"].numel() == 1 and _grad_scalers(src / "dist") == [want]
