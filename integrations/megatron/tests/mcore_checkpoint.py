@@ -101,7 +101,8 @@ class CheckpointMixin:
             consumed_valid_samples=0, train_iters=max(a.train_steps, 0), seed=a.seed, lr=a.lr,
             min_lr=a.lr / 10, optimizer="adam", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
             weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=a.dist_opt, fp16=a.fp16, bf16=a.bf16,
-            params_dtype=self.dtype, accumulate_allreduce_grads_in_fp32=True, transformer_impl="local",
+            params_dtype=self.dtype, accumulate_allreduce_grads_in_fp32=True,
+            transformer_impl="transformer_engine" if a.names == "te" else "local",
             ckpt_format="torch", use_dist_ckpt=False, no_save_optim=not a.optimizer, no_save_rng=False,
             data_parallel_random_init=False, iteration=a.iteration)
 
@@ -133,7 +134,7 @@ class CheckpointMixin:
                  "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}]
 
     def save_legacy(self, root: str):
-        from te_names import te_prefixes, to_te_names
+        from te_names import to_te_names
 
         torch = self.torch
         t = time.time()
@@ -141,7 +142,7 @@ class CheckpointMixin:
         for k, m in zip(self.model_keys(), self.models):
             state[k] = m.state_dict_for_save_checkpoint()
             if self.a.names == "te":
-                state[k] = to_te_names(state[k], te_prefixes(m))
+                state[k] = to_te_names(state[k])
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
             state["opt_param_scheduler"] = self.scheduler.state_dict()
@@ -164,7 +165,7 @@ class CheckpointMixin:
         log0(f"TIME save_legacy {time.time() - t:.2f}")
 
     def load_legacy(self, root: str):
-        from te_names import from_te_names, te_prefixes
+        from te_names import from_te_names
 
         torch = self.torch
         t = time.time()
@@ -173,7 +174,7 @@ class CheckpointMixin:
         d = self.legacy_dir(root)
         state = torch.load(os.path.join(d, "model_optim_rng.pt"), map_location="cpu", weights_only=False)
         for k, m in zip(self.model_keys(), self.models):
-            sd = from_te_names(state[k], te_prefixes(m)) if self.a.names == "te" else state[k]
+            sd = from_te_names(state[k]) if self.a.names == "te" else state[k]
             m.load_state_dict(sd, strict=self.a.strict == "on")
         if self.a.load_rng:
             self.restore_rng(state["rng_state"])

@@ -29,8 +29,9 @@ Actions, in this order (each optional):
    their replicas (``REPLICA`` lines);
 5. ``--save legacy|dist|both --save-dir D`` (both: D/legacy and D/dist); ``--dist-layout megatron``
    writes Megatron-LM's ``--save`` layout (``iter_NNNNNNN`` and the tracker), ``--save-rng`` the
-   rng_state ShardedObject, ``--dist-args off`` leaves args out of common.pt, ``--names te`` uses
-   TransformerEngine's names (te_names.py);
+   rng_state ShardedObject, ``--dist-args off`` leaves args out of common.pt, ``--names te`` builds
+   TransformerEngine's layer structure (te_spec.py: its names and parameter order) and saves TE's
+   extra states (te_names.py);
 6. ``--logits-out F``: forward pass on a fixed token batch; the last stage gathers logits over tp,
    trims vocab padding and writes F (``.safetensors`` or ``.pt``; key ``logits``, shape
    ``[batch, seq, vocab]``, fp32); ``--tokens-out F``: the input tokens (``[batch, seq]`` int64);
@@ -240,10 +241,16 @@ class Worker(CheckpointMixin, RunMixin):
         a = self.a
         if a.experts and a.moe_layer_freq != 1:
             # Megatron-LM uses the block spec when layers differ (dense/MoE pattern)
-            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
+            spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
                                               normalization=a.norm, vp_stage=vp_stage)
-        return get_gpt_layer_local_spec(num_experts=a.experts, moe_grouped_gemm=a.grouped_gemm,
-                                        qk_layernorm=a.qk_layernorm, normalization=a.norm)
+        else:
+            spec = get_gpt_layer_local_spec(num_experts=a.experts, moe_grouped_gemm=a.grouped_gemm,
+                                            qk_layernorm=a.qk_layernorm, normalization=a.norm)
+        if a.names == "te":  # TE's layer structure: fused norms, TE's names and parameter order
+            from te_spec import te_layer_spec
+
+            spec = te_layer_spec(spec)
+        return spec
 
     def build(self):
         """One ``GPTModel`` per virtual chunk (``vp_stage=i``, like Megatron-LM's model_provider)."""
@@ -268,11 +275,6 @@ class Worker(CheckpointMixin, RunMixin):
                 self.models[-1].cuda()
             if a.bf16 or a.fp16:  # Megatron-LM's Float16Module converts the whole model, norms included
                 self.models[-1].to(self.dtype)
-        if a.names == "te":
-            from te_names import use_te_dist_names
-
-            for m in self.models:
-                use_te_dist_names(m)
         self.model = self.models[0]
         if a.distinct_experts:
             self.redraw_experts()

@@ -61,6 +61,11 @@ class MegatronConfig:
             (megatron-core ``gpt_layer_specs.py::get_gpt_decoder_layer_specs``).
         moe_grouped_gemm: experts kept as TE grouped GEMMs: legacy keys
             ``mlp.experts.linear_fc1.weight{j}`` instead of ``mlp.experts.local_experts.{j}.linear_fc1.weight``.
+        transformer_impl: the layer spec's modules (Megatron-LM ``--transformer-impl``): ``"local"``
+            (megatron-core's local spec) or ``"transformer_engine"`` (TE's spec, Megatron-LM's
+            default). It decides the order of ``named_parameters()``, hence of optimizer state kept
+            by position (:func:`~tenplex_megatron.model.layouts.param_order`); the readers set it
+            from the checkpoint's keys where they tell (TE's norm names), from the args otherwise.
     """
 
     num_layers: int
@@ -86,6 +91,7 @@ class MegatronConfig:
     moe_router_enable_expert_bias: bool = False
     moe_layer_freq: int | tuple = 1
     moe_grouped_gemm: bool = False
+    transformer_impl: str = "local"
 
     def __getstate__(self) -> dict:
         """The fields only: what is derived from the config (:mod:`tenplex_megatron.model.derived`) stays behind."""
@@ -114,6 +120,9 @@ class MegatronConfig:
                               f"{self.position_embedding_type!r}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"MegatronConfig: unknown normalization {self.normalization!r}")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ConfigError(f"MegatronConfig: transformer_impl: expected one of {', '.join(TRANSFORMER_IMPLS)}, "
+                              f"found {short(self.transformer_impl)}")
 
     @property
     def tied(self) -> bool:
@@ -198,7 +207,15 @@ class MegatronConfig:
             moe_router_enable_expert_bias=bool(a.get("moe_router_enable_expert_bias", False)),
             moe_layer_freq=_layer_freq(a.get("moe_layer_freq", 1)),
             moe_grouped_gemm=bool(a.get("moe_grouped_gemm", False)),
+            # args from before Megatron-LM had the flag (or from other tools) do not say: the local spec
+            transformer_impl=a.get("transformer_impl") or "local",
         )
+
+    def with_impl(self, names: str) -> "MegatronConfig":
+        """This config with the ``transformer_impl`` of naming scheme ``names`` (``"te"`` or ``"local"``,
+        :data:`~tenplex_megatron.model.layouts.NAMES`)."""
+        impl = "transformer_engine" if names == "te" else "local"
+        return self if impl == self.transformer_impl else self.with_overrides({"transformer_impl": impl})
 
     def with_overrides(self, overrides: Mapping | None) -> "MegatronConfig":
         """This config with the given fields replaced."""
@@ -215,10 +232,10 @@ class MegatronConfig:
         return cls(**obj)
 
     def to_json(self) -> dict:
-        """JSON; the MoE fields only where they differ from a dense model's defaults."""
+        """JSON; the MoE fields and ``transformer_impl`` only where they differ from a dense local-spec model's."""
         out = asdict(self)
-        for name in _MOE_DEFAULTS:
-            if out[name] == _MOE_DEFAULTS[name]:
+        for name in _OMITTED_DEFAULTS:
+            if out[name] == _OMITTED_DEFAULTS[name]:
                 del out[name]
         if isinstance(out.get("moe_layer_freq"), tuple):
             out["moe_layer_freq"] = list(out["moe_layer_freq"])
@@ -228,9 +245,13 @@ class MegatronConfig:
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
 
-_MOE_DEFAULTS = {"num_moe_experts": None, "moe_ffn_hidden_size": None,
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+"""Megatron-LM's ``--transformer-impl`` choices tenplex models (``inference_optimized`` is not one)."""
+
+_OMITTED_DEFAULTS = {"transformer_impl": "local", "num_moe_experts": None, "moe_ffn_hidden_size": None,
                  "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
                  "moe_layer_freq": 1, "moe_grouped_gemm": False}
+"""Fields left out of :meth:`MegatronConfig.to_json` at these values (a dense local-spec model's)."""
 
 
 def _layer_freq(value: Any) -> int | tuple:
@@ -337,7 +358,8 @@ def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
         ``pipeline_model_parallel_size``, ``data_parallel_size``, ``context_parallel_size``,
         ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
         ``world_size``, ``padded_vocab_size`` and every pipeline-layout field
-        (:func:`pipeline_args`) describe ``config``; every other field is the source's.
+        (:func:`pipeline_args`) describe ``config``, ``transformer_impl`` is ``cfg``'s (where the
+        args have the field or ``cfg`` is TE's); every other field is the source's.
 
     Raises:
         ConfigError: if ``config``'s stages cannot be written as Megatron-LM args.
@@ -352,6 +374,8 @@ def args_for(args: Any, cfg: MegatronConfig, config: Any) -> argparse.Namespace:
     out.context_parallel_size = config.cp
     out.expert_model_parallel_size, out.expert_tensor_parallel_size = config.ep, config.etp
     out.padded_vocab_size = cfg.padded_vocab(config.tp)
+    if "transformer_impl" in vars(out) or cfg.transformer_impl != "local":
+        out.transformer_impl = cfg.transformer_impl
     vars(out).update(pipeline_args(config))
     return out
 

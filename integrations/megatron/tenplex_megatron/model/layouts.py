@@ -391,14 +391,52 @@ def rank_keys(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, ep_rank
 
 def param_order(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, chunk: int = 0,
                 ep_rank: int = 0) -> list[ParamSpec]:
-    """A model chunk's parameters in ``named_parameters()`` order (no buffers).
+    """A model chunk's parameters in ``named_parameters()`` order (no buffers), under the layer spec
+    of ``cfg.transformer_impl``.
 
-    On the last stage of a tied pipeline the embedding copy is the output
-    layer, registered last (megatron-core ``GPTModel``).
+    The order of optimizer state kept by position (the distributed optimizer's flat buffers,
+    a non-distributed optimizer's param groups) follows it. On the last stage of a tied pipeline
+    the embedding copy is the output layer, registered last (megatron-core ``GPTModel``). Under
+    TransformerEngine's spec a layer's ``input_layernorm`` is ``IdentityOp`` and its parameters
+    live in ``self_attention.linear_qkv`` (``TELayerNormColumnParallelLinear``), registered before
+    its ``weight`` (TE ``LayerNormLinear.__init__``: ``layer_norm_weight``, ``layer_norm_bias``,
+    then ``weight``, ``bias``), which megatron-core's ``SelfAttention`` builds after
+    ``linear_proj`` (``Attention.__init__``): so the norm moves from first in the layer to after
+    ``linear_proj``. ``pre_mlp_layernorm`` keeps its place under both (fused into ``linear_fc1``,
+    first in ``mlp``; a separate module in an MoE layer).
+
+    Raises:
+        ConfigError: grouped-GEMM experts under TransformerEngine (``TEGroupedMLP`` registers the
+            ``linear_fc1`` weights of all local experts, then the ``linear_fc2`` ones; tenplex
+            has not checked that order against a real run, so it refuses it).
     """
     keys = chunk_keys(cfg, config, pp_rank, chunk, ep_rank)
     specs = [s for s in param_specs(cfg) if s.path in keys and s.param]
     if cfg.tied and config.pp > 1 and (pp_rank, chunk) == (config.pp - 1, config.vpp - 1):
         emb = next(s for s in specs if s.path.endswith("word_embeddings/weight"))
         specs = [s for s in specs if s is not emb] + ([emb] if pp_rank != 0 else [])
+    if cfg.transformer_impl == "transformer_engine":
+        if cfg.moe_grouped_gemm and any(s.expert is not None for s in specs):
+            raise ConfigError("grouped-GEMM experts under TransformerEngine (TEGroupedMLP) with optimizer "
+                              "state kept by position (distrib_optim.pt, dp_reshardable buffers, a legacy "
+                              "Adam): tenplex has not checked TEGroupedMLP's parameter order; save the "
+                              "optimizer as torch_dist fully_reshardable (--dist-ckpt-optim-fully-reshardable)")
+        specs = _te_order(specs)
     return specs
+
+
+def _te_order(specs: list[ParamSpec]) -> list[ParamSpec]:
+    """``specs`` with each layer's ``input_layernorm`` parameters moved to just before its
+    ``linear_qkv.weight`` (see :func:`param_order`)."""
+    norms: dict[int | None, list[ParamSpec]] = {}
+    for s in specs:
+        if "/input_layernorm/" in s.path:
+            norms.setdefault(s.layer, []).append(s)
+    out = []
+    for s in specs:
+        if "/input_layernorm/" in s.path:
+            continue
+        if s.path.endswith("/self_attention/linear_qkv/weight"):
+            out.extend(norms.get(s.layer, []))
+        out.append(s)
+    return out

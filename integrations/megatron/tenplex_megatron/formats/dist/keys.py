@@ -62,12 +62,24 @@ def is_dist(path: str) -> bool:
 
 def dist_names(cfg: MegatronConfig, keys) -> str:
     """The naming scheme (:data:`~tenplex_megatron.model.layouts.NAMES`) of a ``torch_dist``
-    checkpoint's ``keys``: ``"te"`` when an MoE layer's norm is TE's separate ``pre_mlp_layernorm``
-    (the only key that differs; dense layers use TE names under both specs), else ``"local"``."""
-    te = {spec.te_dist for spec in param_specs(cfg) if spec.te_dist}
+    checkpoint's ``keys``, which tells its layer spec.
+
+    Dense layers have the same tensor keys under both specs (megatron-core's local spec renames its
+    norms to TE's names in ``sharded_state_dict``). The keys decide where they differ: ``"te"``
+    when an MoE layer's norm is TE's separate ``pre_mlp_layernorm`` or attention has TE's
+    ``core_attention._extra_state``; ``"local"`` when an MoE layer's norm has the local spec's
+    renamed key. Otherwise the args decide (``cfg.transformer_impl``, Megatron-LM's
+    ``--transformer-impl``, whose default is TE)."""
+    specs = param_specs(cfg)
     found = {k.split("/")[0] for k in keys}
-    per_layer = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in found}
-    return "te" if te & (found | per_layer) else "local"
+    per_layer = found | {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", k) for k in found}
+    if {spec.te_dist for spec in specs if spec.te_dist} & per_layer or any(
+            ".core_attention._extra_state" in k for k in per_layer):
+        return "te"
+    moe_norm = {spec.dist for spec in specs if spec.te_dist}  # the local spec's key of the MoE norm
+    if moe_norm & per_layer:
+        return "local"
+    return "te" if cfg.transformer_impl == "transformer_engine" else "local"
 
 
 def flat_key(m: int, bucket: int, state: str, dtypes, gbuf: int = 0) -> str:

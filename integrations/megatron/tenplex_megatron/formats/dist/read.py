@@ -363,6 +363,8 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
         raise ConfigError(f"{root}: no args in {kind}; pass the model config "
                           "(--model-config FILE.json, see docs/megatron.md)")
     cfg = MegatronConfig.from_args(args, model_config)
+    names = dist_names(cfg, md.state_dict_metadata)
+    cfg = cfg.with_impl(names)  # the layer spec: the order of dp_reshardable buffers
     optimizer, expert_groups = _chained(common.get("optimizer") or {}, root)
     optim = _optim_type({"optimizer": optimizer}, md.state_dict_metadata, root)
     tp, pp = _grid(cfg, args, md, optim, root)
@@ -370,11 +372,6 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     emb = md.state_dict_metadata.get("embedding.word_embeddings.weight")
     check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
-    names = dist_names(cfg, md.state_dict_metadata)
-    if names == "te" and optim == "dp_reshardable":
-        raise ManifestError(f"{root}: dp_reshardable optimizer buffers of a TransformerEngine model: their "
-                            "order follows TE's modules, which tenplex does not model; save the optimizer "
-                            "fully_reshardable")
     sharding = Sharding(tree, config)
     dtypes = _check_keys(cfg, sharding, md, optim, None, root, names)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")

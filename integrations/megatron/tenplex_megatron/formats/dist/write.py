@@ -170,6 +170,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
     """
     cfg, meta = megatron_meta(source)
     names = check_names(names or meta.get("names") or "local")
+    cfg = cfg.with_impl(names)  # the target's layer spec: the order of dp_reshardable buffers
     has_optim = any(p.startswith("optimizer/") for p in source.tree.leaves)
     optim = None if not has_optim else meta.get("optimizer") if meta.get("optimizer") in (
         "dp_reshardable", "adam") else "fully_reshardable"
@@ -182,9 +183,6 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         values = TargetValues(build.values, cfg, to) if part is None else part_values(
             build, cfg, to, [r for r in mine if to.coord(r).dense_dp_first])
         values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
-        if names == "te" and optim == "dp_reshardable":
-            raise ConfigError("dp_reshardable optimizer buffers with TransformerEngine names: their order "
-                              "follows TE's modules, which tenplex does not model; use local names")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:

@@ -348,6 +348,11 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
         if len(schemes) > 1:
             raise ManifestError(f"{where}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                                 "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
+        if len(names) > 1:
+            raise ManifestError(f"{iter_dir}: norm keys mix megatron-core's local names (input_layernorm) and "
+                                "TransformerEngine's (self_attention.linear_qkv.layer_norm_weight)")
+        # the names tell the layer spec, hence the order of the optimizer state kept by position
+        cfg = cfg.with_impl(next(iter(names), "local"))
         refs.update(model)
         if kind == "adam":
             if config.vpp > 1:
@@ -366,14 +371,6 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if len(schemes) > 1:
         raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                             "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
-    if len(names) > 1:
-        raise ManifestError(f"{iter_dir}: norm keys mix megatron-core's local names (input_layernorm) and "
-                            "TransformerEngine's (self_attention.linear_qkv.layer_norm_weight)")
-    if names == {"te"} and kind is not None:
-        raise ManifestError(f"{iter_dir}: optimizer state of a TransformerEngine model (--transformer-impl "
-                            "transformer_engine): its parameter order follows TE's modules, which tenplex "
-                            "does not model yet; save with --ckpt-format torch_dist (fully_reshardable), "
-                            "or reshard the model alone (--no-save-optim)")
     files = {k[:2]: s for k, s in files.items() if writers[k].dense_dp_first}
     rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {

@@ -116,6 +116,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
     if names != "sequential":
         cfg = type(cfg).from_json({**cfg.to_json(), "moe_grouped_gemm": True})
     scheme = check_names(scheme or meta.get("names") or "local")
+    cfg = cfg.with_impl(scheme)  # the target's layer spec: the order of optimizer state kept by position
     with TargetBuilder(source, to, threads, progress=progress) as build:
         writers = sorted(legacy_writers(to).items(), key=lambda x: (x[0][1], x[0][0], x[0][2]))
         mine = part_ranks(build, [r for _, r in writers], part) if part is not None else None
@@ -124,10 +125,6 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
         optimizer = legacy_optimizer(meta, values.args) if any(
             p.startswith("optimizer/") for p in source.tree.leaves) else None
-        if scheme == "te" and optimizer is not None:
-            raise ConfigError("a legacy checkpoint with TransformerEngine names and optimizer state: the "
-                              "optimizer's parameter order follows TE's modules, which tenplex does not "
-                              "model yet; write torch_dist, or local names")
         if optimizer == "adam" and to.vpp > 1:
             raise ConfigError(f"{to}: a non-distributed optimizer's legacy state with vpp={to.vpp} is "
                               "not written by tenplex; reshard to vpp=1 or from a distributed optimizer")

@@ -1,0 +1,83 @@
+"""TransformerEngine's layer structure for the worker's ``--names te`` models, on CPU.
+
+TE does not run on CPU. Megatron-LM's TE spec (megatron-core ``get_gpt_layer_with_transformer_engine_spec``)
+fuses each layer's norms into the next linear (``TELayerNormColumnParallelLinear``; ``input_layernorm``
+and, in a dense layer, ``pre_mlp_layernorm`` are ``IdentityOp``). A checkpoint shows this twice: in the
+norms' names (``self_attention.linear_qkv.layer_norm_weight``) and in where the norm's parameter sits in
+``named_parameters()``, hence in the distributed optimizer's flat buffers and a non-distributed
+optimizer's param groups.
+
+:func:`te_layer_spec` turns megatron-core's local spec into that structure: ``linear_qkv`` (and a dense
+layer's ``linear_fc1``) become :class:`NormColumnParallelLinear`, megatron-core's own
+``ColumnParallelLinear`` with the norm in front. Its parameters are registered in TE's order (TE
+``LayerNormLinear.__init__``: ``layer_norm_weight``, ``layer_norm_bias`` for LayerNorm, then ``weight``,
+``bias``), and the norm is computed as the local spec computes it (``torch.nn.RMSNorm`` /
+``LayerNorm``), so the model's outputs equal the local-spec model's from the same seed (norms draw no
+random numbers). An MoE layer keeps a separate ``pre_mlp_layernorm`` (the TE spec builds
+``backend.layer_norm()`` when ``num_experts``). Everything else (the layer, attention, DDP, the
+optimizers, every save and load) is megatron-core's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+
+@functools.cache
+def norm_column_parallel_linear():
+    """The class (built on first use: megatron-core imports are the worker's)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class NormColumnParallelLinear(ColumnParallelLinear):
+        """A norm, then megatron-core's ``ColumnParallelLinear``; parameters in TE's order."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            linear = dict(self._parameters)  # weight, bias: registered after the norm's, as TE does
+            self._parameters.clear()
+            self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+            self.layer_norm_bias = None
+            if config.normalization == "LayerNorm":
+                self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+            for p in (self.layer_norm_weight, self.layer_norm_bias):
+                if p is not None:  # its gradient is reduced over tp when the input is sequence-parallel
+                    setattr(p, "sequence_parallel", config.sequence_parallel)
+            self._parameters.update(linear)
+            self.norm_eps, self.normalization = config.layernorm_epsilon, config.normalization
+
+        def forward(self, x, *args, **kwargs):
+            shape = (x.shape[-1],)
+            if self.normalization == "RMSNorm":
+                x = F.rms_norm(x, shape, self.layer_norm_weight, self.norm_eps)
+            else:
+                x = F.layer_norm(x, shape, self.layer_norm_weight, self.layer_norm_bias, self.norm_eps)
+            return super().forward(x, *args, **kwargs)
+
+    return NormColumnParallelLinear
+
+
+def te_layer_spec(spec):
+    """``spec`` (a layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``) with TE's layer structure."""
+    layers = getattr(spec, "layer_specs", None)
+    if layers is not None:
+        return dataclasses.replace(spec, layer_specs=[_layer(s) for s in layers])
+    return _layer(spec)
+
+
+def _layer(spec):
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    fused = norm_column_parallel_linear()
+    sub = spec.submodules
+    attention = dataclasses.replace(sub.self_attention, submodules=dataclasses.replace(
+        sub.self_attention.submodules, linear_qkv=fused))
+    # TE names need no renaming: the keys map of the local spec is dropped
+    changes = dict(input_layernorm=IdentityOp, self_attention=attention, sharded_state_dict_keys_map={})
+    if not (isinstance(sub.mlp.module, type) and issubclass(sub.mlp.module, MoELayer)):
+        changes.update(pre_mlp_layernorm=IdentityOp, mlp=dataclasses.replace(
+            sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules, linear_fc1=fused)))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
