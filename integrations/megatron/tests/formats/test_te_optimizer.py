@@ -39,19 +39,40 @@ def _continues(src, dst, to, flags, expected, *, tp, pp, dp, load, out_fmt=None)
         assert abs(e - g) <= 1e-6, (src, out_fmt, expected, got)
 
 
-def test_distributed_optimizer_of_a_te_model_reshards(tmp_path):
+@pytest.fixture(scope="module")
+def te_source(tmp_path_factory):
+    """``(root, losses)``: a TE-structured model at tp 2 after two Adam steps (distributed optimizer,
+    ``dp_reshardable``), saved in both formats, and the two losses of the run going on."""
+    src = tmp_path_factory.mktemp("te")
+    expected = losses(run_worker(2, 1, FLAGS + " --dist-opt", "--sharding-type", "dp_reshardable", "--save",
+                                 "both", "--save-dir", str(src), "--train-after-save", "2"))[2:]
+    return src, expected
+
+
+def test_distributed_optimizer_of_a_te_model_reshards(te_source, tmp_path):
     from tenplex_megatron.formats.dist.read import describe_dist
 
-    flags = FLAGS + " --dist-opt"
-    src = tmp_path / "src"
-    expected = losses(run_worker(2, 1, flags, "--sharding-type", "dp_reshardable", "--save", "both",
-                                 "--save-dir", str(src), "--train-after-save", "2"))[2:]
+    src, expected = te_source
     meta = describe_dist(str(src / "dist")).desc.meta["megatron"]
     assert (meta["names"], meta["optimizer"]) == ("te", "dp_reshardable")  # told by the args
     cases = [("legacy", None), ("dist", None), ("dist", "legacy"), ("legacy", "dist")]
     for i, (fmt, out_fmt) in enumerate(cases):
-        _continues(src / fmt, tmp_path / f"dst{i}", "dp=2,tp=1,pp=2", flags, expected, tp=1, pp=2, dp=2,
-                   load=out_fmt or fmt, out_fmt=out_fmt)
+        _continues(src / fmt, tmp_path / f"dst{i}", "dp=2,tp=1,pp=2", FLAGS + " --dist-opt", expected,
+                   tp=1, pp=2, dp=2, load=out_fmt or fmt, out_fmt=out_fmt)
+
+
+def test_a_wrong_parameter_order_is_refused(te_source, tmp_path):
+    """Told the local spec (``--model-config``), the reader would place the buffers' state in the
+    local order; the main params then differ from the weights and the source is refused, naming the
+    first parameter whose state moved, before anything is written."""
+    src, _ = te_source
+    config = tmp_path / "local.json"
+    config.write_text('{"transformer_impl": "local"}')
+    done = tenplex("--model-config", str(config), "reshard", str(src / "dist"), str(tmp_path / "out"), "--to", "tp=1")
+    assert done.returncode == 1, done.stderr
+    assert "the fp32 main param of model/decoder/layers/0/input_layernorm/weight" in done.stderr \
+        and "transformer_impl=local" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_non_distributed_adam_of_a_te_model_reshards(tmp_path):

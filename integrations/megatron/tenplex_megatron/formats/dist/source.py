@@ -27,6 +27,7 @@ from tenplex.ptree.sharding import Piece
 from tenplex.ptree.shards import piece_view
 from tenplex.ptree.tree import torch_dtype
 
+from tenplex_megatron.formats.main_params import check_main_params
 from tenplex_megatron.formats.dist.buffers import flat_index, optimizer_buffers
 from tenplex_megatron.formats.dist.keys import EXTRA_KEY, dist_key, optimizer_prefix
 from tenplex_megatron.formats.dist.read import DcpRecord, FoundDist, describe_dist, rng_coords
@@ -280,9 +281,11 @@ def open_dist(root: str, model_config: dict | None = None, iteration: int | str 
     Raises:
         ManifestError, ConfigError: see :func:`describe_dist`; also a
             non-empty extra state, a bucket layout tenplex does not write, or
-            tied copies that differ.
+            tied copies that differ, or fp32 main params that differ from the weights
+            (:func:`~tenplex_megatron.formats.main_params.check_main_params`).
     """
     source = DistSource(describe_dist(root, model_config, iteration))
     source.check_objects()
     check_tied(source)
+    check_main_params(source)
     return source

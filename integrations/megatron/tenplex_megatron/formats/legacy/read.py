@@ -34,6 +34,7 @@ from tenplex.ptree.sharding import Sharding
 from tenplex.ptree.tree import torch_dtype
 from tenplex.store.paths import check_inside
 
+from tenplex_megatron.formats.main_params import check_main_params
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.description import Description
 from tenplex_megatron.formats.folders import TRACKER, iteration_dir_name, locate
@@ -442,8 +443,10 @@ def open_legacy(root: str, model_config: dict | None = None, threads: int = 8,
 
     Raises:
         ManifestError, ConfigError: see :func:`describe_legacy`; also when the
-            first and last stages' copies of a tied embedding differ.
+            first and last stages' copies of a tied embedding differ, or the fp32 main params
+            differ from the weights (:func:`~tenplex_megatron.formats.main_params.check_main_params`).
     """
     source = LegacySource(describe_legacy(root, model_config, threads, iteration))
     check_tied(source)
+    check_main_params(source)
     return source
