@@ -77,7 +77,22 @@ def _layer(spec):
         sub.self_attention.submodules, linear_qkv=fused))
     # TE names need no renaming: the keys map of the local spec is dropped
     changes = dict(input_layernorm=IdentityOp, self_attention=attention, sharded_state_dict_keys_map={})
-    if not (isinstance(sub.mlp.module, type) and issubclass(sub.mlp.module, MoELayer)):
-        changes.update(pre_mlp_layernorm=IdentityOp, mlp=dataclasses.replace(
-            sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules, linear_fc1=fused)))
+    if not issubclass(_mlp_class(sub.mlp), MoELayer):
+        changes.update(pre_mlp_layernorm=IdentityOp, mlp=_with_fc1(sub.mlp, fused))
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
+
+
+def _mlp_class(mlp) -> type:
+    """The MLP's class: a ``ModuleSpec``'s module (0.16), or the class of a
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` (0.19)."""
+    if isinstance(mlp, functools.partial):
+        return mlp.func.__self__
+    return mlp.module
+
+
+def _with_fc1(mlp, fc1):
+    """The MLP spec with ``linear_fc1`` replaced, in either form of :func:`_mlp_class`."""
+    if isinstance(mlp, functools.partial):
+        kw = dict(mlp.keywords, submodules=dataclasses.replace(mlp.keywords["submodules"], linear_fc1=fc1))
+        return functools.partial(mlp.func, *mlp.args, **kw)
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=fc1))
