@@ -75,7 +75,8 @@ def check_main_params(source) -> int:
 def _first(source, path: str, rank: int, n: int) -> torch.Tensor:
     """The first ``n`` elements (flat order) of ``path``'s local tensor at ``rank``."""
     itemsize = torch_dtype(source.tree[path].dtype).itemsize
-    local = source.read(source.record(path, rank), np.array([0], np.int64), np.array([n * itemsize], np.int64))
+    record = source.locate(path, source.config.coord(rank))  # ``rank`` is its class's first: no lookup table
+    local = source.read(record, np.array([0], np.int64), np.array([n * itemsize], np.int64))
     return local.reshape(-1)[:n]
 
 
