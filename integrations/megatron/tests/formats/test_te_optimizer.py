@@ -45,7 +45,9 @@ def te_source(tmp_path_factory):
     ``dp_reshardable``), saved in both formats, and the two losses of the run going on."""
     src = tmp_path_factory.mktemp("te")
     expected = losses(run_worker(2, 1, FLAGS + " --dist-opt", "--sharding-type", "dp_reshardable", "--save",
-                                 "both", "--save-dir", str(src), "--train-after-save", "2"))[2:]
+                                 "both", "--dist-layout", "megatron", "--save-dir", str(src),
+                                 "--train-after-save", "2"))[2:]
+    assert (src / "dist" / "latest_checkpointed_iteration.txt").exists()  # Megatron-LM's --save layout
     return src, expected
 
 
