@@ -1,5 +1,7 @@
 """Where a Megatron checkpoint lies (formats/folders.py): the --save root, its tracker and iteration folders."""
 
+import re
+
 import pytest
 
 from tenplex.errors import ConfigError, ManifestError
@@ -79,3 +81,31 @@ def test_the_cli_names_what_is_wrong_with_a_save_root(tmp_path, tracker, folders
         done = tenplex(*args)
         assert done.returncode == 1 and re.search(expected, done.stderr), (args, done.stderr)
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
+def test_a_dcp_folder_without_megatron_metadata_is_named(tmp_path):
+    """Megatron-LM's ``--ckpt-format torch_dcp`` and ``fsdp_dtensor`` save plain PyTorch DCP folders (no
+    megatron-core ``metadata.json``). Every command says so, for the ``--save`` root and for the
+    iteration folder itself; a ``metadata.json`` of another backend is named too. (On the old code
+    the root's message said nothing of DCP, and the folder was "not a checkpoint of any known format".)"""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from inprocess_cli import tenplex
+
+    root = _root(tmp_path / "save", 10, tracker=10)
+    folder = tmp_path / "save" / "iter_0000010"
+    dcp.save({"model": {"decoder.final_layernorm.weight": torch.ones(4)}},
+             storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    said = "a PyTorch DCP checkpoint without megatron-core's metadata.json .*torch_dcp or fsdp_dtensor"
+    for path in (root, str(folder)):
+        for args in (["inspect", path], ["reshard", path, str(tmp_path / "out"), "--to", "tp=1"]):
+            done = tenplex(*args)
+            assert done.returncode == 1 and re.search(said, done.stderr), (args, done.stderr)
+            assert not (tmp_path / "out").exists()
+    zarr = tmp_path / "zarr"
+    zarr.mkdir()
+    (zarr / "metadata.json").write_text('{"sharded_backend": "zarr"}')
+    done = tenplex("inspect", str(zarr))
+    assert done.returncode == 1 and "names the sharded backend 'zarr': tenplex reads torch_dist" in done.stderr

@@ -16,12 +16,14 @@ dense shards are missing, and tenplex refuses such checkpoints.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
-from tenplex.errors import ConfigError, ManifestError
+from tenplex.errors import ConfigError, ManifestError, TenplexError
 from tenplex.limits import short
 from tenplex.ptree.config import ParallelConfig
+from tenplex.store.paths import open_regular
 
 from tenplex_megatron.model.parallel import arg as _arg, parallel_config
 
@@ -55,8 +57,34 @@ def rank_dirs(iter_dir: str) -> dict[tuple[int, ...], str]:
     if not found:  # nor a torch_dist folder (the dist format would have claimed it): say which parts lack
         raise ManifestError(f"{iter_dir}: not a Megatron checkpoint folder: expected mp_rank_* directories "
                             "(--ckpt-format torch) or a metadata.json saying torch_dist (--ckpt-format "
-                            f"torch_dist), found {_listing(iter_dir)}")
+                            f"torch_dist), found {_listing(iter_dir)}{other_format(iter_dir)}")
     return found
+
+
+def other_format(folder: str) -> str:
+    """What else ``folder`` holds, for the error above: ``"; it holds ..."``, or ``""``.
+
+    A PyTorch DCP checkpoint (a ``.metadata`` file) without megatron-core's ``metadata.json`` is what
+    Megatron-LM writes for ``--ckpt-format torch_dcp`` and ``fsdp_dtensor`` (its
+    ``_get_checkpoint_format`` takes such a folder for one of them); a ``metadata.json`` naming
+    another backend (``zarr``, megatron-core's older one) is megatron-core's but not ``torch_dist``.
+    Reads at most 4 KiB of ``metadata.json``; raises nothing.
+    """
+    meta = os.path.join(folder, "metadata.json")
+    if os.path.isfile(meta):
+        try:
+            f, _ = open_regular(meta, meta, root=folder)  # a regular file inside the folder, never a FIFO
+            with f:
+                backend = json.loads(f.read(4096)).get("sharded_backend")
+        except (OSError, ValueError, AttributeError, TenplexError):
+            return ""
+        return (f"; its metadata.json names the sharded backend {short(backend, 40)}: tenplex reads "
+                "torch_dist; load it in Megatron-LM and save it again with --ckpt-format torch_dist")
+    if os.path.isfile(os.path.join(folder, ".metadata")):
+        return ("; it holds a PyTorch DCP checkpoint without megatron-core's metadata.json (Megatron-LM's "
+                "--ckpt-format torch_dcp or fsdp_dtensor), which tenplex does not read: load it in "
+                "Megatron-LM and save it again with --ckpt-format torch_dist")
+    return ""
 
 
 def legacy_grid(args, dirs: dict, iter_dir: str) -> tuple[ParallelConfig, dict[tuple[int, int, int], str]]:

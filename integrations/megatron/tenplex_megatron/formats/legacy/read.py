@@ -67,9 +67,10 @@ def is_legacy(path: str) -> bool:
 
 
 def save_root_fault(path: str) -> str | None:
-    """What keeps the Megatron ``--save`` root ``path`` (a folder with the tracker file) from being read,
-    or None (not such a root, or nothing found wrong here). Raises nothing."""
-    if not os.path.isfile(os.path.join(path, TRACKER)):
+    """What keeps ``path`` from being read as a Megatron checkpoint, or None (not one, or nothing found
+    wrong here): a ``--save`` root (a folder with the tracker file), or a folder with a
+    ``metadata.json`` or a PyTorch DCP ``.metadata`` that no format claimed. Raises nothing."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in (TRACKER, "metadata.json", ".metadata")):
         return None
     try:
         rank_dirs(locate(path).dir)
