@@ -57,11 +57,11 @@ def rank_dirs(iter_dir: str) -> dict[tuple[int, ...], str]:
     if not found:  # nor a torch_dist folder (the dist format would have claimed it): say which parts lack
         raise ManifestError(f"{iter_dir}: not a Megatron checkpoint folder: expected mp_rank_* directories "
                             "(--ckpt-format torch) or a metadata.json saying torch_dist (--ckpt-format "
-                            f"torch_dist), found {_listing(iter_dir)}{other_format(iter_dir)}")
+                            f"torch_dist), found {_listing(iter_dir)}{_other_format(iter_dir)}")
     return found
 
 
-def other_format(folder: str) -> str:
+def _other_format(folder: str) -> str:
     """What else ``folder`` holds, for the error above: ``"; it holds ..."``, or ``""``.
 
     A PyTorch DCP checkpoint (a ``.metadata`` file) without megatron-core's ``metadata.json`` is what
