@@ -20,7 +20,7 @@ from tenplex.limits import MAX_JSON_BYTES, short
 from tenplex.store.bounded_json import load_json
 from tenplex.store.paths import open_regular
 
-__all__ = ["StoredTensor", "is_hf_dir", "read_config", "tensors", "verify_hf", "INDEX", "SINGLE"]
+__all__ = ["StoredTensor", "is_hf_dir", "hf_fault", "read_config", "tensors", "verify_hf", "INDEX", "SINGLE"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -50,6 +50,33 @@ def is_hf_dir(path: str) -> bool:
     """Whether ``path`` is a directory with ``config.json`` and ``model.safetensors`` or its index."""
     return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
             and (os.path.isfile(os.path.join(path, INDEX)) or os.path.isfile(os.path.join(path, SINGLE))))
+
+
+_OTHER_WEIGHTS = {".bin": "PyTorch pickles", ".pt": "PyTorch pickles", ".pth": "PyTorch pickles",
+                  ".h5": "TensorFlow weights", ".msgpack": "Flax weights", ".gguf": "GGUF weights"}
+
+
+def hf_fault(path: str) -> str | None:
+    """What keeps the directory ``path`` with a ``config.json`` from being read as a model directory, or
+    None (no ``config.json``: not one). Raises nothing; lists the directory, reads no file.
+
+    ``transformers`` wrote ``pytorch_model.bin`` (a ``torch.save`` pickle) before safetensors became
+    its default (v4.35); Hub models of that time, TensorFlow and Flax checkpoints have no safetensors
+    files. The ``hf`` format reads safetensors only.
+    """
+    try:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    other = sorted({kind for n in names for ext, kind in _OTHER_WEIGHTS.items() if n.endswith(ext)})
+    listing = ", ".join(short(n, 40) for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    said = (f"; its weights are {' and '.join(other)}, which the hf format does not read: where you trust "
+            "the files, load the model with transformers and save_pretrained it again (safetensors)") \
+        if other else ""
+    return (f"{path}: a Hugging Face model directory (config.json) without safetensors weights: expected "
+            f"{SINGLE} or {INDEX}, found {listing}{said}")
 
 
 def _open(file: str):

@@ -33,6 +33,14 @@ class _HF:
         return is_hf_dir(path)
 
     @staticmethod
+    def why_not(path: str) -> str | None:
+        """For a directory with ``config.json`` that ``detect`` refused: its weights are not safetensors
+        (``pytorch_model.bin``, TensorFlow, Flax) or missing (:func:`~tenplex_megatron.formats.hf.hfdir.hf_fault`)."""
+        from tenplex_megatron.formats.hf.hfdir import hf_fault
+
+        return hf_fault(path)
+
+    @staticmethod
     def describe(path: str, **options) -> Description:
         from tenplex_megatron.formats.hf.read import describe_hf
 
