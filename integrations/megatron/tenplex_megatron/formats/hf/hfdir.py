@@ -1,10 +1,20 @@
-"""A Hugging Face model directory on disk: ``config.json``, safetensors files, their index; read safely.
+"""A Hugging Face model directory on disk: ``config.json``, weight files, their index; read safely.
 
 Every safetensors header is parsed and checked here (``safetensors``'
 format: an 8-byte little-endian header length, a JSON header of
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}`` with offsets
 from the end of the header), so a tensor is read by its byte range and a
 file that lies about sizes or offsets is refused before any read.
+
+A directory without safetensors files may hold ``pytorch_model.bin`` (and
+``pytorch_model.bin.index.json``): ``torch.save`` of the state dict, as
+transformers wrote before safetensors became its default (v4.35). Such a
+file's pickle goes through tenplex's restricted unpickler only
+(:func:`tenplex_megatron.torchfiles.ptfile.load_refs`: allow-listed globals, no
+code runs); it places every tensor by byte range, and the bytes are read
+like a safetensors tensor's. Names that share their bytes exactly (tied
+embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight``) are
+aliases; any other overlap is refused.
 """
 
 from __future__ import annotations
@@ -20,10 +30,15 @@ from tenplex.limits import MAX_JSON_BYTES, short
 from tenplex.store.bounded_json import load_json
 from tenplex.store.paths import open_regular
 
-__all__ = ["StoredTensor", "is_hf_dir", "hf_fault", "read_config", "tensors", "verify_hf", "INDEX", "SINGLE"]
+__all__ = ["StoredTensor", "is_hf_dir", "hf_fault", "read_config", "tensors", "verify_hf", "INDEX", "SINGLE",
+           "BIN_INDEX", "BIN"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN = "pytorch_model.bin"
+_WEIGHTS = ((INDEX, SINGLE), (BIN_INDEX, BIN))
+"""(index, single file) pairs, in the order transformers looks for them."""
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _DTYPE = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _MAX_HEADER = 100 << 20
@@ -47,13 +62,13 @@ class StoredTensor:
 
 
 def is_hf_dir(path: str) -> bool:
-    """Whether ``path`` is a directory with ``config.json`` and ``model.safetensors`` or its index."""
+    """Whether ``path`` is a directory with ``config.json`` and ``model.safetensors`` or its index (or
+    ``pytorch_model.bin`` or its index)."""
     return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-            and (os.path.isfile(os.path.join(path, INDEX)) or os.path.isfile(os.path.join(path, SINGLE))))
+            and any(os.path.isfile(os.path.join(path, n)) for pair in _WEIGHTS for n in pair))
 
 
-_OTHER_WEIGHTS = {".bin": "PyTorch pickles", ".pt": "PyTorch pickles", ".pth": "PyTorch pickles",
-                  ".h5": "TensorFlow weights", ".msgpack": "Flax weights", ".gguf": "GGUF weights"}
+_OTHER_WEIGHTS = {".h5": "TensorFlow weights", ".msgpack": "Flax weights", ".gguf": "GGUF weights"}
 
 
 def hf_fault(path: str) -> str | None:
@@ -62,7 +77,7 @@ def hf_fault(path: str) -> str | None:
 
     ``transformers`` wrote ``pytorch_model.bin`` (a ``torch.save`` pickle) before safetensors became
     its default (v4.35); Hub models of that time, TensorFlow and Flax checkpoints have no safetensors
-    files. The ``hf`` format reads safetensors only.
+    files. The ``hf`` format reads safetensors and ``pytorch_model.bin`` (with its index when sharded).
     """
     try:
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -75,8 +90,8 @@ def hf_fault(path: str) -> str | None:
     said = (f"; its weights are {' and '.join(other)}, which the hf format does not read: where you trust "
             "the files, load the model with transformers and save_pretrained it again (safetensors)") \
         if other else ""
-    return (f"{path}: a Hugging Face model directory (config.json) without safetensors weights: expected "
-            f"{SINGLE} or {INDEX}, found {listing}{said}")
+    return (f"{path}: a Hugging Face model directory (config.json) without weights tenplex reads: expected "
+            f"{SINGLE}, {INDEX}, {BIN} or {BIN_INDEX}, found {listing}{said}")
 
 
 def _open(file: str):
@@ -108,16 +123,21 @@ def read_config(path: str) -> dict:
     return out
 
 
-def _files(path: str) -> list[str]:
-    index = os.path.join(path, INDEX)
-    if not os.path.isfile(index):
-        return [SINGLE]
-    obj = _json(index)
-    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
-    names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else None
-    if not names or any(not isinstance(n, str) or os.path.basename(n) != n or n.startswith(".") for n in names):
-        raise ManifestError(f"{index}: weight_map must map names to plain file names in the directory")
-    return names
+def _files(path: str) -> tuple[str | None, list[str]]:
+    """``(index file or None, weight files)`` of the model directory: safetensors where there are any."""
+    for index_name, single in _WEIGHTS:
+        index = os.path.join(path, index_name)
+        if os.path.isfile(index):
+            obj = _json(index)
+            weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+            names = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else None
+            if not names or any(not isinstance(n, str) or os.path.basename(n) != n or n.startswith(".")
+                                for n in names):
+                raise ManifestError(f"{index}: weight_map must map names to plain file names in the directory")
+            return index, names
+        if os.path.isfile(os.path.join(path, single)):
+            return None, [single]
+    return None, [SINGLE]
 
 
 def _header(file: str) -> list[StoredTensor]:
@@ -147,15 +167,17 @@ def _header(file: str) -> list[StoredTensor]:
     return out
 
 
-def _no_overlaps(file: str, entries: list[StoredTensor]) -> None:
+def _no_overlaps(file: str, entries: list[StoredTensor], aliases: bool = False) -> None:
     """Refuse two tensors that share bytes (one would be read as the other's values).
 
     The safetensors library refuses them too (its ``Metadata::validate`` requires each tensor to
-    start where the previous one ends); this checks the part that matters for what is read.
+    start where the previous one ends); this checks the part that matters for what is read. With
+    ``aliases`` (a ``torch.save`` file), two names of the same bytes, dtype and shape are allowed.
     """
     last = None
     for t in sorted(entries, key=lambda t: (t.start, t.end)):
-        if last is not None and t.start < last.end and t.end > t.start:
+        same = last is not None and (t.start, t.end, t.dtype, t.shape) == (last.start, last.end, last.dtype, last.shape)
+        if last is not None and t.start < last.end and t.end > t.start and not (aliases and same):
             raise CorruptShardError(f"{file}: tensors {short(last.name)} [{last.start}, {last.end}) and "
                                     f"{short(t.name)} [{t.start}, {t.end}) share bytes; expected each "
                                     "tensor in bytes of its own")
@@ -181,20 +203,46 @@ def _entry(file: str, name: str, entry, base: int, size: int) -> StoredTensor:
     return StoredTensor(file, name, _DTYPE[dtype], shape, base + begin, base + end)
 
 
+def _pickled(file: str) -> list[StoredTensor]:
+    """The tensors of one ``torch.save`` state dict (``pytorch_model.bin``), placed by the restricted
+    unpickler (:func:`~tenplex_megatron.torchfiles.ptfile.load_refs`: only the zip directory and the
+    pickle are read; each tensor must lie inside its storage record and be row-major).
+
+    Raises:
+        ManifestError: an unsafe or inconsistent pickle, or not a ``{name: tensor}`` mapping.
+        CorruptShardError: a tensor that is not floating-point, or tensors that partly share bytes.
+    """
+    from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs  # noqa: PLC0415 (torch)
+
+    obj, _ = load_refs(file)
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{file}: expected a state dict ({{name: tensor}}), found {type(obj).__name__}")
+    out = []
+    for name, ref in obj.items():
+        if not isinstance(name, str) or not isinstance(ref, TensorRef):
+            raise ManifestError(f"{file}: expected a state dict of tensors, found {short(name)}: {short(ref)}")
+        dtype = str(ref.dtype).removeprefix("torch.")
+        if dtype not in _DTYPE.values():
+            raise CorruptShardError(f"{file}: tensor {name!r} is {dtype}; expected a floating-point weight")
+        out.append(StoredTensor(file, name, dtype, tuple(ref.shape), ref.offset, ref.offset + ref.nbytes))
+    _no_overlaps(file, out, aliases=True)
+    return out
+
+
 def tensors(path: str) -> dict[str, StoredTensor]:
-    """Every tensor of the model directory ``path`` by name.
+    """Every tensor of the model directory ``path`` by name (safetensors files, or ``pytorch_model.bin``).
 
     Raises:
         ManifestError: an unreadable index, a name in two files, or a tensor the
-            index places in another file than the one holding it.
-        CorruptShardError: see :func:`_header`.
+            index places in another file than the one holding it; an unsafe pickle (:func:`_pickled`).
+        CorruptShardError: see :func:`_header` and :func:`_pickled`.
     """
     out: dict[str, StoredTensor] = {}
-    for name in _files(path):
+    for name in _files(path)[1]:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise ManifestError(f"{path}: the index names {name}, which is missing")
-        for t in _header(file):
+        for t in (_header(file) if name.endswith(".safetensors") else _pickled(file)):
             if t.name in out:
                 raise ManifestError(f"{path}: tensor {t.name} is in {out[t.name].file} and {file}")
             out[t.name] = t
@@ -213,8 +261,8 @@ def verify_hf(path: str, checksums: bool = False, progress: Callable[[int, int],
     """
     found = tensors(path)
     files = sorted({t.file for t in found.values()})
-    index = os.path.join(path, INDEX)
-    if os.path.isfile(index):
+    index = _files(path)[0]
+    if index is not None:
         weight_map = _json(index)["weight_map"]  # checked by tensors() above
         wrong = sorted(n for n, t in found.items() if weight_map.get(n) != os.path.basename(t.file))
         extra = sorted(set(weight_map) - set(found))

@@ -77,7 +77,7 @@ def describe_hf(path: str, overrides: dict | None = None) -> Found:
     Raises:
         ConfigError: an unknown family or a setting Megatron cannot run.
         ManifestError: tensors missing, left over, or of the wrong shape.
-        CorruptShardError: a safetensors header that lies.
+        CorruptShardError: a safetensors header that lies (:mod:`~tenplex_megatron.formats.hf.hfdir`).
     """
     where = os.path.join(path, "config.json")
     config = read_config(path)
@@ -104,7 +104,8 @@ def describe_hf(path: str, overrides: dict | None = None) -> Found:
         used.update(hf)
         records[leaf_path] = _Record(leaf_path, tuple(stored[n] for n in hf), TRANSFORMS.get(key, Transform.COPY),
                                      cfg.padded_vocab(1) if TRANSFORMS.get(key) is Transform.VOCAB else 0)
-    extra = sorted(set(stored) - used)
+    kept = {(stored[n].file, stored[n].start, stored[n].end) for n in used}  # a used tensor's alias is not extra
+    extra = sorted(n for n in set(stored) - used if (stored[n].file, stored[n].start, stored[n].end) not in kept)
     if extra:
         raise ManifestError(f"{path}: tensor {extra[0]} (and {len(extra) - 1} more) has no place in a Megatron "
                             f"{family.name} model of this config")

@@ -1,39 +1,115 @@
-"""A model directory whose weights are not safetensors is named as such, not "not a checkpoint".
+"""Model directories whose weights are ``pytorch_model.bin``, or none that tenplex reads.
 
-transformers wrote ``pytorch_model.bin`` (``torch.save`` of the state dict) before safetensors became
-its default (v4.35), and many Hub models still have only that. The hf format reads safetensors only;
-every command says what the directory holds and what to do. (On the old code: "not a checkpoint of
-any known format".)
+transformers wrote ``pytorch_model.bin`` (``torch.save`` of the state dict; sharded: ``pytorch_model-
+0000i-of-0000N.bin`` with ``pytorch_model.bin.index.json``) before safetensors became its default
+(v4.35), and many Hub models still have only that. transformers 5 writes safetensors only, so the
+files here are made as transformers 4 made them: ``torch.save`` of a real model's ``state_dict()``
+(an ``OrderedDict``; with tied embeddings, ``lm_head.weight`` and ``model.embed_tokens.weight``
+share one storage). tenplex reads them through its restricted unpickler, and the import equals the
+import of the same model's safetensors directory bit for bit. A pickle that would run code, tensors
+that partly share bytes, and a directory with no weights tenplex reads are refused, each named.
+(On the old code every ``.bin`` directory was "not a checkpoint of any known format".)
 """
 
+import json
+
+import pytest
 import torch
-from safetensors.torch import load_file
 
 from inprocess_cli import run_cli
+from tenplex.api import load_global
 
 
-def _llama(root):
+def _model(root, tied: bool):
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(root))
-    return root
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(root / "safetensors"))
+    return model
 
 
-def test_pickled_or_missing_weights_are_named(tmp_path):
-    pickled = _llama(tmp_path / "bin")
-    torch.save(load_file(str(pickled / "model.safetensors")), pickled / "pytorch_model.bin")  # transformers < 4.35
-    (pickled / "model.safetensors").unlink()
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    (bare / "config.json").write_bytes((pickled / "config.json").read_bytes())
-    expected = "a Hugging Face model directory (config.json) without safetensors weights: expected " \
-               "model.safetensors or model.safetensors.index.json, found "
-    for src, tail in ((pickled, "'pytorch_model.bin'; its weights are PyTorch pickles, which the hf format "
-                               "does not read"), (bare, "'config.json'")):
+def _import(src, out) -> dict:
+    done = run_cli(["reshard", str(src), str(out), "--to", "tp=1", "--format", "tenplex"])
+    assert done.returncode == 0, done.stderr
+    return load_global(str(out))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pytorch_model_bin_imports_as_its_safetensors_twin(tmp_path, tied):
+    model = _model(tmp_path, tied)
+    state = model.state_dict()
+    single = tmp_path / "bin"
+    single.mkdir()
+    (single / "config.json").write_bytes((tmp_path / "safetensors" / "config.json").read_bytes())
+    torch.save(state, single / "pytorch_model.bin")  # transformers 4's save_pretrained(safe_serialization=False)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_bytes((single / "config.json").read_bytes())
+    layers = [n for n in state if ".layers." in n]  # the tied pair in one file, whose pickle keeps it shared
+    weight_map = {}
+    for i, part in enumerate((layers, [n for n in state if n not in layers])):
+        file = f"pytorch_model-{i + 1:05d}-of-00002.bin"
+        torch.save({n: state[n] for n in part}, sharded / file)
+        weight_map.update({n: file for n in part})
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    want = _import(tmp_path / "safetensors", tmp_path / "from-safetensors")
+    assert _same(_import(single, tmp_path / "from-bin"), want)
+    assert _same(_import(sharded, tmp_path / "from-sharded"), want)
+    assert run_cli(["verify", str(single)]).returncode == 0
+
+
+def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    _model(tmp_path, False)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((tmp_path / "safetensors" / "config.json").read_bytes())
+    torch.save({"model.norm.weight": torch.ones(32), "x": Payload()}, bad / "pytorch_model.bin")
+    done = run_cli(["inspect", str(bad)])
+    assert done.returncode == 1 and "io.open" in done.stderr and "allow-list" in done.stderr, done.stderr
+    assert not (tmp_path / "ran").exists()
+
+
+def test_tensors_that_partly_share_bytes_are_refused(tmp_path):
+    model = _model(tmp_path, False)
+    state = dict(model.state_dict())
+    base = torch.arange(64 * 32, dtype=torch.float32)
+    state["model.embed_tokens.weight"] = base[:64 * 32].view(64, 32)
+    state["lm_head.weight"] = base[32:].view(-1)[:63 * 32].view(63, 32)  # one row off: overlaps, not equal
+    lying = tmp_path / "lying"
+    lying.mkdir()
+    (lying / "config.json").write_bytes((tmp_path / "safetensors" / "config.json").read_bytes())
+    torch.save(state, lying / "pytorch_model.bin")
+    done = run_cli(["inspect", str(lying)])
+    assert done.returncode == 1 and "share bytes" in done.stderr, done.stderr
+
+
+def test_a_directory_without_weights_tenplex_reads_is_named(tmp_path):
+    _model(tmp_path, False)
+    for name, tail in (("bare", "found 'config.json'"),
+                       ("tf", "'tf_model.h5'; its weights are TensorFlow weights, which the hf format does not read")):
+        src = tmp_path / name
+        src.mkdir()
+        (src / "config.json").write_bytes((tmp_path / "safetensors" / "config.json").read_bytes())
+        if name == "tf":
+            (src / "tf_model.h5").write_bytes(b"\x89HDF\r\n\x1a\n")
         for args in (["inspect", str(src)], ["reshard", str(src), str(tmp_path / "out"), "--to", "tp=2",
                                             "--format", "megatron-dist"]):
             done = run_cli(args)
-            assert done.returncode == 1 and expected in done.stderr and tail in done.stderr, (args, done.stderr)
+            assert done.returncode == 1, (args, done.stderr)
+            assert "a Hugging Face model directory (config.json) without weights tenplex reads: expected " \
+                   "model.safetensors, model.safetensors.index.json, pytorch_model.bin or " \
+                   "pytorch_model.bin.index.json" in done.stderr and tail in done.stderr, (args, done.stderr)
             assert not (tmp_path / "out").exists()
