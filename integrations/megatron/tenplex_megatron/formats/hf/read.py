@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,10 @@ from tenplex_megatron.formats.hf.mapping import geometry
 from tenplex_megatron.formats.source import MegatronSource
 from tenplex_megatron.model.config import MegatronConfig, args_to_json
 from tenplex_megatron.model.layouts import megatron_tree
+
+_INV_FREQ = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+"""The rotary embedding's ``inv_freq`` buffer: persistent (in the state dict) in transformers before
+v4.31, so the checkpoints of that time hold one per layer; derived, never a weight."""
 
 __all__ = ["describe_hf", "open_hf", "HFSource", "Found"]
 
@@ -106,14 +111,19 @@ def describe_hf(path: str, overrides: dict | None = None) -> Found:
                                      cfg.padded_vocab(1) if TRANSFORMS.get(key) is Transform.VOCAB else 0)
     kept = {(stored[n].file, stored[n].start, stored[n].end) for n in used}  # a used tensor's alias is not extra
     extra = sorted(n for n in set(stored) - used if (stored[n].file, stored[n].start, stored[n].end) not in kept)
+    buffers = [n for n in extra if _INV_FREQ.search(n) and len(stored[n].shape) == 1]
+    extra = [n for n in extra if n not in buffers]
     if extra:
         raise ManifestError(f"{path}: tensor {extra[0]} (and {len(extra) - 1} more) has no place in a Megatron "
                             f"{family.name} model of this config")
+    notes = [f"imported from {family.architecture}: weights only, iteration 0"]
+    if buffers:
+        notes.append(f"ignored {len(buffers)} rotary_emb.inv_freq buffers ({buffers[0]}, ...): derived from "
+                     "rope_theta, not weights (transformers before v4.31 saved them; it ignores them on load)")
     values = {"megatron/iteration": 0, "megatron/checkpoint_version": 3.0, "megatron/args": args_to_json(args)}
     meta = {"megatron": {"format": "hf", "root": path, "config": cfg.to_json(), "optimizer": None,
                          "buffer_dtypes": None, "hf_family": family.name}}
-    desc = Description(cfg, ParallelConfig(), tree, values, meta,
-                       [f"imported from {family.architecture}: weights only, iteration 0"])
+    desc = Description(cfg, ParallelConfig(), tree, values, meta, notes)
     return Found(desc, records, geo)
 
 

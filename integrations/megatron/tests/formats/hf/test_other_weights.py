@@ -67,6 +67,25 @@ def test_pytorch_model_bin_imports_as_its_safetensors_twin(tmp_path, tied):
     assert run_cli(["verify", str(single)]).returncode == 0
 
 
+def test_rotary_inv_freq_buffers_of_old_checkpoints_are_ignored_with_a_note(tmp_path):
+    """transformers before v4.31 kept each layer's ``rotary_emb.inv_freq`` in the state dict (a
+    persistent buffer, float32 ``[head_dim / 2]``), so checkpoints of that time hold them; transformers
+    ignores them on load. tenplex does too, and says so (on the old code: "has no place")."""
+    model = _model(tmp_path, False)
+    state = dict(model.state_dict())
+    head_dim = 32 // 4
+    for i in range(2):  # what LlamaRotaryEmbedding registered: 1 / theta^(2j / head_dim)
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = \
+            1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_bytes((tmp_path / "safetensors" / "config.json").read_bytes())
+    torch.save(state, old / "pytorch_model.bin")
+    done = run_cli(["reshard", str(old), str(tmp_path / "megatron"), "--to", "tp=2", "--format", "megatron-dist"])
+    assert done.returncode == 0 and "note: ignored 2 rotary_emb.inv_freq buffers" in done.stderr, done.stderr
+    assert _same(_import(old, tmp_path / "from-old"), _import(tmp_path / "safetensors", tmp_path / "from-new"))
+
+
 def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path):
     class Payload:
         def __reduce__(self):
