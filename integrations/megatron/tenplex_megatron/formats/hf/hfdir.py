@@ -75,9 +75,8 @@ def hf_fault(path: str) -> str | None:
     """What keeps the directory ``path`` with a ``config.json`` from being read as a model directory, or
     None (no ``config.json``: not one). Raises nothing; lists the directory, reads no file.
 
-    ``transformers`` wrote ``pytorch_model.bin`` (a ``torch.save`` pickle) before safetensors became
-    its default (v4.35); Hub models of that time, TensorFlow and Flax checkpoints have no safetensors
-    files. The ``hf`` format reads safetensors and ``pytorch_model.bin`` (with its index when sharded).
+    The ``hf`` format reads safetensors files and ``pytorch_model.bin`` (with its index when sharded);
+    TensorFlow, Flax and GGUF weights are named as such.
     """
     try:
         if not os.path.isfile(os.path.join(path, "config.json")):

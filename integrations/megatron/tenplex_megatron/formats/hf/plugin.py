@@ -34,8 +34,9 @@ class _HF:
 
     @staticmethod
     def why_not(path: str) -> str | None:
-        """For a directory with ``config.json`` that ``detect`` refused: its weights are not safetensors
-        (``pytorch_model.bin``, TensorFlow, Flax) or missing (:func:`~tenplex_megatron.formats.hf.hfdir.hf_fault`)."""
+        """For a directory with ``config.json`` that ``detect`` refused: its weights are neither safetensors
+        nor ``pytorch_model.bin`` (TensorFlow, Flax, GGUF), or missing
+        (:func:`~tenplex_megatron.formats.hf.hfdir.hf_fault`)."""
         from tenplex_megatron.formats.hf.hfdir import hf_fault
 
         return hf_fault(path)
