@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from math import prod
 from typing import Callable
 
-from tenplex.errors import CorruptShardError, ManifestError
+from tenplex.errors import CorruptShardError, ManifestError, PathError
 from tenplex.limits import MAX_JSON_BYTES, short
 from tenplex.store.bounded_json import load_json
-from tenplex.store.paths import open_regular
+from tenplex.store.paths import open_regular, resolve_inside
 
-__all__ = ["StoredTensor", "is_hf_dir", "hf_fault", "read_config", "tensors", "verify_hf", "INDEX", "SINGLE",
-           "BIN_INDEX", "BIN"]
+__all__ = ["StoredTensor", "is_hf_dir", "hf_fault", "hf_open", "resolve", "read_config", "tensors", "verify_hf",
+           "INDEX", "SINGLE", "BIN_INDEX", "BIN"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -93,16 +93,58 @@ def hf_fault(path: str) -> str | None:
             f"{SINGLE}, {INDEX}, {BIN} or {BIN_INDEX}, found {listing}{said}")
 
 
-def _open(file: str):
-    """``(binary file, size)`` of a file of the model directory, under the one path rule
-    (:func:`tenplex.store.paths.open_regular`: a regular file that resolves inside the directory)."""
-    return open_regular(file, file, root=os.path.dirname(file))
+def _hub_blobs(folder: str) -> str | None:
+    """The ``blobs`` folder of the Hugging Face hub cache that ``folder`` is a snapshot of, or None.
+
+    ``huggingface_hub`` (``snapshot_download``, transformers' cache) keeps a model as
+    ``<cache>/models--<org>--<name>/snapshots/<revision>/<file>``, each file a symlink to
+    ``../../blobs/<hash>`` (its "Manage the cache" guide); a snapshot folder is what users name.
+    """
+    real = os.path.realpath(folder)
+    snapshots, repo = os.path.dirname(real), os.path.dirname(os.path.dirname(real))
+    if os.path.basename(snapshots) != "snapshots" or not os.path.basename(repo).startswith("models--"):
+        return None
+    blobs = os.path.join(repo, "blobs")
+    return blobs if os.path.isdir(blobs) else None
+
+
+def resolve(file: str) -> str:
+    """``file`` (in a model directory) resolved through symlinks, checked to lie inside its directory
+    or, for a hub cache snapshot, inside that model's ``blobs`` folder (:func:`_hub_blobs`).
+
+    Raises:
+        PathError: it resolves anywhere else.
+    """
+    folder = os.path.dirname(file)
+    try:
+        return resolve_inside(folder, file)
+    except PathError as outside:
+        blobs = _hub_blobs(folder)
+        if blobs is None:
+            raise
+        try:
+            return resolve_inside(blobs, file)
+        except PathError:
+            raise PathError(f"{file}: resolves to {os.path.realpath(file)}, outside the model directory "
+                            f"{os.path.realpath(folder)} and its hub cache's {blobs}; tenplex reads no file "
+                            "outside them") from None
+
+
+def hf_open(file: str, buffering: int = -1):
+    """``(binary file, size)`` of a file of the model directory, under the one path rule (:func:`resolve`,
+    then :func:`tenplex.store.paths.open_regular`: a regular file, never a FIFO or device).
+
+    Raises:
+        PathError: see :func:`resolve`. CorruptShardError: missing or not a regular file.
+    """
+    return open_regular(resolve(file), file, buffering=buffering)
+
 
 
 def _json(file: str):
     """A JSON file of the model directory, opened under the path rule and parsed within the limits
     of :mod:`tenplex.store.bounded_json` (size checked before anything is read)."""
-    f, size = _open(file)
+    f, size = hf_open(file)
     with f:
         if size > MAX_JSON_BYTES:
             raise ManifestError(f"{file}: {size} bytes; a JSON file here may have at most {MAX_JSON_BYTES}")
@@ -146,7 +188,7 @@ def _header(file: str) -> list[StoredTensor]:
         CorruptShardError: a truncated file, a header that is not JSON, or a
             tensor whose offsets do not fit its dtype and shape or the file.
     """
-    f, size = _open(file)
+    f, size = hf_open(file)
     with f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -213,7 +255,7 @@ def _pickled(file: str) -> list[StoredTensor]:
     """
     from tenplex_megatron.torchfiles.ptfile import TensorRef, load_refs  # noqa: PLC0415 (torch)
 
-    obj, _ = load_refs(file)
+    obj, _ = load_refs(resolve(file), what=file)
     if not isinstance(obj, dict):
         raise ManifestError(f"{file}: expected a state dict ({{name: tensor}}), found {type(obj).__name__}")
     out = []
@@ -275,7 +317,7 @@ def verify_hf(path: str, checksums: bool = False, progress: Callable[[int, int],
         digests, done = {}, 0
         for f in files:
             h = xxhash.xxh3_128()
-            fh, _ = _open(f)
+            fh, _ = hf_open(f)
             with fh:
                 for block in iter(lambda fh=fh: fh.read(1 << 24), b""):
                     h.update(block)

@@ -21,7 +21,6 @@ import torch
 from tenplex.errors import ConfigError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import torch_dtype
-from tenplex.store.paths import open_regular
 
 from tenplex_megatron.formats.description import Description
 from tenplex_megatron.formats.hf import transforms as tf
@@ -29,7 +28,7 @@ from tenplex_megatron.formats.hf.catalog import families
 from tenplex_megatron.formats.hf.family import TRANSFORMS, Transform, generic_key
 from tenplex_megatron.formats.hf.fields import ModelFields
 from tenplex_megatron.formats.hf.hfconfig import args_from_config
-from tenplex_megatron.formats.hf.hfdir import StoredTensor, read_config, tensors
+from tenplex_megatron.formats.hf.hfdir import StoredTensor, hf_open, read_config, tensors
 from tenplex_megatron.formats.hf.rows import PARTIAL_MIN_BYTES, read_exact, read_runs, row_map
 from tenplex_megatron.formats.hf.mapping import geometry
 from tenplex_megatron.formats.source import MegatronSource
@@ -180,7 +179,7 @@ def _read(t: StoredTensor) -> torch.Tensor:
     """One stored tensor, read by its byte range (unbuffered: exactly its bytes)."""
     out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
     view = out.view(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, np.uint8)
-    f, _ = open_regular(t.file, t.file, buffering=0, root=os.path.dirname(t.file))  # the one path rule
+    f, _ = hf_open(t.file, buffering=0)  # the one path rule (a hub cache snapshot's blobs too)
     with f:
         f.seek(t.start)
         read_exact(f, memoryview(view), t, 0)

@@ -29,10 +29,10 @@ import torch
 from tenplex.errors import ManifestError
 from tenplex.ptree.tree import torch_dtype
 from tenplex.store.blocks import union_runs
-from tenplex.store.paths import open_regular
 
 from tenplex_megatron.formats.hf import transforms as tf
 from tenplex_megatron.formats.hf.family import Transform
+from tenplex_megatron.formats.hf.hfdir import hf_open
 
 __all__ = ["row_map", "segments", "read_runs", "read_exact", "PARTIAL_MIN_BYTES", "ROW_TRANSFORMS"]
 
@@ -134,7 +134,7 @@ def read_runs(record, codes: np.ndarray, starts: np.ndarray, ends: np.ndarray, d
     Raises:
         ManifestError: a run outside the tensor, or a file shorter than its header says.
         CorruptShardError: a file missing or not a regular file.
-        PathError: a file that resolves outside its directory (:func:`tenplex.store.paths.open_regular`).
+        PathError: a file that resolves outside its directory (:func:`~tenplex_megatron.formats.hf.hfdir.resolve`).
     """
     parts = record.parts
     rest = tuple(parts[0].shape[1:])
@@ -154,7 +154,7 @@ def read_runs(record, codes: np.ndarray, starts: np.ndarray, ends: np.ndarray, d
             continue
         # every segment lies inside part ``p``: its rows come from arange(p.shape[0]) and
         # hfdir checked the header's shape against the byte range and the file's size
-        f, _ = open_regular(p.file, p.file, buffering=0, root=os.path.dirname(p.file))
+        f, _ = hf_open(p.file, buffering=0)
         with f:
             for a, b, m in zip((src[mine] * item).tolist(), (dst[mine] * item).tolist(), (n[mine] * item).tolist()):
                 f.seek(p.start + a)

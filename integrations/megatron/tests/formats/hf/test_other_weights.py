@@ -132,3 +132,46 @@ def test_a_directory_without_weights_tenplex_reads_is_named(tmp_path):
                    "model.safetensors, model.safetensors.index.json, pytorch_model.bin or " \
                    "pytorch_model.bin.index.json" in done.stderr and tail in done.stderr, (args, done.stderr)
             assert not (tmp_path / "out").exists()
+
+
+def _hub_cache(tmp_path, model_dir, links=None):
+    """``model_dir`` laid out as huggingface_hub's cache keeps it (its "Manage the cache" guide):
+    ``models--<org>--<name>/snapshots/<revision>/<file>`` -> ``../../blobs/<hash>``; ``links`` overrides
+    some files' link targets. Returns the snapshot folder, which is what users name."""
+    import hashlib
+    import os
+    import shutil
+
+    repo = tmp_path / "cache" / "models--org--llama"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in sorted(model_dir.iterdir()):
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / blob)
+        os.symlink((links or {}).get(f.name, f"../../blobs/{blob}"), snapshot / f.name)
+    return snapshot
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_a_hub_cache_snapshot_is_read_and_links_elsewhere_are_refused(tmp_path, weights):
+    """``snapshot_download`` and transformers' cache give a snapshot folder of symlinks into the
+    model's ``blobs``: read like the plain folder (on the old code: "resolves to .../blobs/..., outside
+    the checkpoint directory"). A link anywhere else is refused as before, naming both places."""
+    model = _model(tmp_path, False)
+    plain = tmp_path / "safetensors"
+    if weights == "bin":
+        plain = tmp_path / "bin"
+        plain.mkdir()
+        (plain / "config.json").write_bytes((tmp_path / "safetensors" / "config.json").read_bytes())
+        torch.save(model.state_dict(), plain / "pytorch_model.bin")
+    snapshot = _hub_cache(tmp_path, plain)
+    assert _same(_import(snapshot, tmp_path / "from-cache"), _import(plain, tmp_path / "from-plain"))
+    assert run_cli(["verify", str(snapshot)]).returncode == 0
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    outside = _hub_cache(tmp_path / "other", plain, links={"config.json": str(secret)})
+    done = run_cli(["reshard", str(outside), str(tmp_path / "out"), "--to", "tp=1", "--format", "tenplex"])
+    assert done.returncode == 1 and "outside the model directory" in done.stderr \
+        and "and its hub cache's" in done.stderr and "secret.json" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
