@@ -73,12 +73,19 @@ _OTHER_WEIGHTS = {".h5": "TensorFlow weights", ".msgpack": "Flax weights", ".ggu
 
 def hf_fault(path: str) -> str | None:
     """What keeps the directory ``path`` with a ``config.json`` from being read as a model directory, or
-    None (no ``config.json``: not one). Raises nothing; lists the directory, reads no file.
+    None (no ``config.json``: not one); for a hub cache's model folder (``models--<org>--<name>``), which
+    snapshot folders to name instead. Raises nothing; lists folders, reads no file.
 
     The ``hf`` format reads safetensors files and ``pytorch_model.bin`` (with its index when sharded);
     TensorFlow, Flax and GGUF weights are named as such.
     """
     try:
+        snapshots = os.path.join(path, "snapshots")
+        if os.path.basename(os.path.realpath(path)).startswith("models--") and os.path.isdir(snapshots):
+            revisions = sorted(os.listdir(snapshots))
+            return (f"{path}: a Hugging Face hub cache folder; name one of its snapshot folders, "
+                    f"{snapshots}/<revision> (found {', '.join(short(r, 48) for r in revisions[:4]) or 'none'}"
+                    f"{' and more' if len(revisions) > 4 else ''})")
         if not os.path.isfile(os.path.join(path, "config.json")):
             return None
         names = sorted(os.listdir(path))

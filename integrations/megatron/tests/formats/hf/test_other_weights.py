@@ -167,6 +167,9 @@ def test_a_hub_cache_snapshot_is_read_and_links_elsewhere_are_refused(tmp_path, 
         torch.save(model.state_dict(), plain / "pytorch_model.bin")
     snapshot = _hub_cache(tmp_path, plain)
     assert _same(_import(snapshot, tmp_path / "from-cache"), _import(plain, tmp_path / "from-plain"))
+    done = run_cli(["inspect", str(snapshot.parent.parent)])  # the model's cache folder: which snapshot
+    assert done.returncode == 1 and "a Hugging Face hub cache folder; name one of its snapshot folders" in \
+        done.stderr and snapshot.name in done.stderr, done.stderr
     assert run_cli(["verify", str(snapshot)]).returncode == 0
     secret = tmp_path / "secret.json"
     secret.write_text("{}")
