@@ -125,7 +125,7 @@ def resolve(file: str) -> str:
     folder = os.path.dirname(file)
     try:
         return resolve_inside(folder, file)
-    except PathError as outside:
+    except PathError:
         blobs = _hub_blobs(folder)
         if blobs is None:
             raise
