@@ -18,17 +18,18 @@ with the tracker last, so ``--load OUT`` resumes at the source's iteration.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
 from typing import NamedTuple
 
-from tenplex.errors import ManifestError
+from tenplex.errors import ManifestError, TenplexError
 
 from tenplex_megatron.torchfiles.safe_load import open_regular
 
 __all__ = ["TRACKER", "Located", "locate", "read_tracker", "iteration_dir_name", "write_tracker",
-           "iterations"]
+           "iterations", "sharded_backend"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"iter_(\d{7,12})$")
@@ -69,6 +70,21 @@ def read_tracker(root: str) -> int | str:
     if not text.isdigit() or len(text) > 12:
         raise ManifestError(f"{path}: expected an iteration number or 'release', found {text[:20]!r}")
     return int(text)
+
+
+def sharded_backend(folder: str) -> str | None:
+    """The ``sharded_backend`` that ``folder``'s ``metadata.json`` names (megatron-core
+    ``dist_checkpointing``: ``"torch_dist"``, or an older backend such as ``"zarr"``), or None where
+    there is no readable one. The file is opened under the path rule (a regular file inside
+    ``folder``) and 4 KiB of it at most are read. Raises nothing."""
+    path = os.path.join(folder, "metadata.json")
+    try:
+        f, _ = open_regular(path, path, root=folder)
+        with f:
+            backend = json.loads(f.read(4096)).get("sharded_backend")
+    except (OSError, ValueError, AttributeError, TenplexError):
+        return None
+    return backend if isinstance(backend, str) else None
 
 
 def iterations(root: str) -> list[int | str]:

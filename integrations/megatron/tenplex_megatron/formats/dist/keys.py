@@ -17,7 +17,6 @@ bookkeeping objects.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -25,10 +24,9 @@ from tenplex.errors import TenplexError
 from tenplex.ptree.sharding import Sharding
 
 from tenplex_megatron.model.derived import derived
-from tenplex_megatron.formats.folders import locate
+from tenplex_megatron.formats.folders import locate, sharded_backend
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
-from tenplex_megatron.torchfiles.safe_load import open_regular
 
 __all__ = ["COMMON_STATE", "dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
            "optimizer_prefix", "optimizer_states",
@@ -50,13 +48,10 @@ in place of ``common.pt`` (:func:`tenplex_megatron.formats.dist.read.read_common
 def is_dist(path: str) -> bool:
     """Whether ``path`` (a ``--save`` root, an iteration folder or a bare folder) holds a ``torch_dist``
     checkpoint: its folder's ``metadata.json`` says ``sharded_backend: torch_dist``
-    (:func:`tenplex_megatron.formats.folders.locate`)."""
+    (:func:`tenplex_megatron.formats.folders.locate`, :func:`~tenplex_megatron.formats.folders.sharded_backend`)."""
     try:
-        root = locate(path).dir
-        f, _ = open_regular(os.path.join(root, "metadata.json"), "metadata.json")
-        with f:
-            return json.loads(f.read(4096)).get("sharded_backend") == "torch_dist"
-    except (OSError, ValueError, AttributeError, TenplexError):
+        return sharded_backend(locate(path).dir) == "torch_dist"
+    except (OSError, TenplexError):
         return False
 
 

@@ -16,15 +16,14 @@ dense shards are missing, and tenplex refuses such checkpoints.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 
-from tenplex.errors import ConfigError, ManifestError, TenplexError
+from tenplex.errors import ConfigError, ManifestError
 from tenplex.limits import short
 from tenplex.ptree.config import ParallelConfig
-from tenplex.store.paths import open_regular
 
+from tenplex_megatron.formats.folders import sharded_backend
 from tenplex_megatron.model.parallel import arg as _arg, parallel_config
 
 __all__ = ["rank_dir_name", "rank_dirs", "legacy_grid", "legacy_writers", "check_expert_files"]
@@ -68,16 +67,10 @@ def _other_format(folder: str) -> str:
     Megatron-LM writes for ``--ckpt-format torch_dcp`` and ``fsdp_dtensor`` (its
     ``_get_checkpoint_format`` takes such a folder for one of them); a ``metadata.json`` naming
     another backend (``zarr``, megatron-core's older one) is megatron-core's but not ``torch_dist``.
-    Reads at most 4 KiB of ``metadata.json``; raises nothing.
+    Raises nothing (:func:`~tenplex_megatron.formats.folders.sharded_backend`).
     """
-    meta = os.path.join(folder, "metadata.json")
-    if os.path.isfile(meta):
-        try:
-            f, _ = open_regular(meta, meta, root=folder)  # a regular file inside the folder, never a FIFO
-            with f:
-                backend = json.loads(f.read(4096)).get("sharded_backend")
-        except (OSError, ValueError, AttributeError, TenplexError):
-            return ""
+    backend = sharded_backend(folder)
+    if backend is not None:
         return (f"; its metadata.json names the sharded backend {short(backend, 40)}: tenplex reads "
                 "torch_dist; load it in Megatron-LM and save it again with --ckpt-format torch_dist")
     if os.path.isfile(os.path.join(folder, ".metadata")):
