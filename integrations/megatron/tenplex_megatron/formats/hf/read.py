@@ -108,10 +108,13 @@ def describe_hf(path: str, overrides: dict | None = None) -> Found:
         used.update(hf)
         records[leaf_path] = _Record(leaf_path, tuple(stored[n] for n in hf), TRANSFORMS.get(key, Transform.COPY),
                                      cfg.padded_vocab(1) if TRANSFORMS.get(key) is Transform.VOCAB else 0)
-    kept = {(stored[n].file, stored[n].start, stored[n].end) for n in used}  # a used tensor's alias is not extra
-    extra = sorted(n for n in set(stored) - used if (stored[n].file, stored[n].start, stored[n].end) not in kept)
-    buffers = [n for n in extra if _INV_FREQ.search(n) and len(stored[n].shape) == 1]
-    extra = [n for n in extra if n not in buffers]
+    def place(name):
+        return stored[name].file, stored[name].start, stored[name].end
+
+    kept = {place(n) for n in used}  # a name of a used tensor's bytes (a tied alias) is not extra
+    left = sorted(n for n in set(stored) - used if place(n) not in kept)
+    buffers = [n for n in left if _INV_FREQ.search(n) and len(stored[n].shape) == 1]
+    extra = [n for n in left if n not in buffers]
     if extra:
         raise ManifestError(f"{path}: tensor {extra[0]} (and {len(extra) - 1} more) has no place in a Megatron "
                             f"{family.name} model of this config")
