@@ -30,15 +30,16 @@ def run_moe(n: int, flags: str, *extra: str, timeout: int = 300) -> str:
     return torchrun(WORKER, n, [*flags.split(), *MODEL.split(), *extra], timeout)
 
 
-def source_cache(root):
-    """``get(world, flags)``: a directory under ``root`` with ``legacy/``, ``dist/`` and ``ref.pt``, and
-    the static run's 4 losses; each (world, flags) is trained and saved once."""
+def source_cache(root, save: str = "both"):
+    """``get(world, flags)``: a directory under ``root`` with ``legacy/``, ``dist/`` and ``ref.pt`` (with
+    ``save="legacy"``: the legacy files themselves and ``ref.pt``), and the static run's 4 losses;
+    each (world, flags) is trained and saved once."""
     cache: dict = {}
 
     def get(n: int, flags: str):
         if (n, flags) not in cache:
             d = root / "_".join(["w" + str(n)] + flags.replace("--", "").split()).replace("[", "").replace("]", "")
-            out = run_moe(n, flags, "--train-steps", "2", "--save", "both", "--save-dir", str(d),
+            out = run_moe(n, flags, "--train-steps", "2", "--save", save, "--save-dir", str(d),
                           "--fully-parallel-save",
                           "--logits-out", str(d / "ref.pt"), "--train-after-save", "2")
             static = losses(out)

@@ -14,8 +14,13 @@ layer's ``linear_fc1``) become :class:`NormColumnParallelLinear`, megatron-core'
 ``bias``), and the norm is computed as the local spec computes it (``torch.nn.RMSNorm`` /
 ``LayerNorm``), so the model's outputs equal the local-spec model's from the same seed (norms draw no
 random numbers). An MoE layer keeps a separate ``pre_mlp_layernorm`` (the TE spec builds
-``backend.layer_norm()`` when ``num_experts``). Everything else (the layer, attention, DDP, the
-optimizers, every save and load) is megatron-core's.
+``backend.layer_norm()`` when ``num_experts``). Grouped-GEMM experts (``--grouped-gemm``) are
+megatron-core's ``TEGroupedMLP`` (what the TE spec builds for them), with :func:`grouped_linear` in
+place of TE's ``GroupedLinear``: one parameter per local expert, ``weight0``, ``weight1``, ...
+registered in TE's order (TE ``GroupedLinear.__init__``), each expert's tokens multiplied by its
+own weight. Everything else (the layer, attention, DDP, the optimizers, every save and load) is
+megatron-core's. (:func:`grouped_linear` has no ``sharded_state_dict``: such models save legacy
+files only.)
 """
 
 from __future__ import annotations
@@ -59,6 +64,53 @@ def norm_column_parallel_linear():
     return NormColumnParallelLinear
 
 
+@functools.cache
+def grouped_linear(parallel_mode: str):
+    """A CPU stand-in for megatron-core's ``TEColumnParallelGroupedLinear`` (``parallel_mode="column"``)
+    or ``TERowParallelGroupedLinear`` (``"row"``), built on first use.
+
+    Like megatron-core's ``TEGroupedLinear`` with expert parallelism or expert tp (explicit expert
+    communication: the token dispatcher moves the tokens, the linear none), the local weights are
+    ``[out / etp, in]`` (column) or ``[out, in / etp]`` (row), each marked tensor-parallel along that
+    axis (TE ``GroupedLinear.reset_parameters``: the gradient norm counts every etp shard), and
+    each parameter's ``allreduce`` is False when ep > 1 (DDP puts it in the expert buffer).
+    """
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    class GroupedLinear(torch.nn.Module):
+        def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add,
+                     is_expert, tp_comm_buffer_name=None, pg_collection=None):
+            super().__init__()
+            assert is_expert and not bias, "the stand-in covers bias-free expert linears"
+            etp = pg_collection.expt_tp.size() if pg_collection is not None else 1
+            if parallel_mode == "column":
+                output_size //= etp
+            else:
+                input_size //= etp
+            self.num_gemms = num_gemms
+            for i in range(num_gemms):  # TE registers weight{i} (then bias{i}) for each GEMM in turn
+                weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+                init_method(weight)
+                self.register_parameter(f"weight{i}", weight)
+            for param in self.parameters():  # TE reset_parameters: every weight{i} is tensor-parallel
+                set_tensor_model_parallel_attributes(param, True, 1 if parallel_mode == "row" else 0, 1)
+                setattr(param, "allreduce", not (is_expert and config.expert_model_parallel_size > 1))
+
+        def forward(self, x, m_splits):
+            pieces = torch.split(x, list(m_splits))
+            return torch.cat([F.linear(piece, getattr(self, f"weight{i}")) for i, piece in enumerate(pieces)]), None
+
+        def get_extra_state(self):  # TE has one (empty without FP8; te_names.py adds it on save)
+            return None
+
+        def set_extra_state(self, state):
+            assert state is None, state
+
+    return GroupedLinear
+
+
 def te_layer_spec(spec):
     """``spec`` (a layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``) with TE's layer structure."""
     layers = getattr(spec, "layer_specs", None)
@@ -79,6 +131,8 @@ def _layer(spec):
     changes = dict(input_layernorm=IdentityOp, self_attention=attention, sharded_state_dict_keys_map={})
     if not issubclass(_mlp_class(sub.mlp), MoELayer):
         changes.update(pre_mlp_layernorm=IdentityOp, mlp=_with_fc1(sub.mlp, fused))
+    elif _grouped(sub.mlp):
+        changes.update(mlp=_te_grouped_experts(sub.mlp))
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **changes))
 
 
@@ -96,3 +150,21 @@ def _with_fc1(mlp, fc1):
         kw = dict(mlp.keywords, submodules=dataclasses.replace(mlp.keywords["submodules"], linear_fc1=fc1))
         return functools.partial(mlp.func, *mlp.args, **kw)
     return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=fc1))
+
+
+def _grouped(moe) -> bool:
+    """Whether an MoE layer's spec has the legacy ``GroupedMLP`` (the local spec's grouped GEMM)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    return getattr(moe, "submodules", None) is not None and moe.submodules.experts.module is GroupedMLP
+
+
+def _te_grouped_experts(moe):
+    """The MoE spec with TE's grouped experts: ``TEGroupedMLP`` over :func:`grouped_linear`."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    experts = ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
+        linear_fc1=grouped_linear("column"), linear_fc2=grouped_linear("row")))
+    return dataclasses.replace(moe, submodules=dataclasses.replace(moe.submodules, experts=experts))

@@ -167,12 +167,19 @@ class MegatronConfig:
                 hold the logical vocabulary size only as ``vocab_size`` (set for
                 the NullTokenizer); otherwise the tokenizer's size must be given
                 as the override ``vocab_size``, because ``padded_vocab_size``
-                depends on tp.
+                depends on tp. Also if the args say ``moe_single_grouped_weight`` or
+                ``moe_single_grouped_bias`` (megatron-core 0.19 with TE >= 2.14: a grouped
+                linear's experts in one stacked parameter, not ``weight{i}`` each).
         """
         overrides = dict(overrides or {})
         if args is None:
             return cls.from_json(overrides)
         a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+        for flag in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
+            if a.get(flag):
+                raise ConfigError(f"Megatron args: {flag}=True (each grouped linear's experts in one stacked "
+                                  "parameter): tenplex models one parameter per expert (weight{i}, "
+                                  "bias{i}); save the checkpoint with it off")
         if "vocab_size" in overrides:
             a = {**a, "vocab_size": overrides["vocab_size"]}
         if not a.get("vocab_size"):

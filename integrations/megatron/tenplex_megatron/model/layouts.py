@@ -405,10 +405,12 @@ def param_order(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, chunk
     ``linear_proj``. ``pre_mlp_layernorm`` keeps its place under both (fused into ``linear_fc1``,
     first in ``mlp``; a separate module in an MoE layer).
 
-    Raises:
-        ConfigError: grouped-GEMM experts under TransformerEngine (``TEGroupedMLP`` registers the
-            ``linear_fc1`` weights of all local experts, then the ``linear_fc2`` ones; tenplex
-            has not checked that order against a real run, so it refuses it).
+    Grouped-GEMM experts under TE (``--moe-grouped-gemm``: megatron-core ``TEGroupedMLP``) hold
+    each linear's local experts in one module: ``TEGroupedMLP.__init__`` builds ``linear_fc1``,
+    then ``linear_fc2``, and TE's ``GroupedLinear.__init__`` registers ``weight0``, ``weight1``, ...
+    (each ``bias{i}`` after its ``weight{i}``). So a layer's expert parameters are every local
+    expert's ``linear_fc1`` weight, then every ``linear_fc2`` one, where ``SequentialMLP`` has
+    each expert's pair in turn.
     """
     keys = chunk_keys(cfg, config, pp_rank, chunk, ep_rank)
     specs = [s for s in param_specs(cfg) if s.path in keys and s.param]
@@ -416,13 +418,24 @@ def param_order(cfg: MegatronConfig, config: ParallelConfig, pp_rank: int, chunk
         emb = next(s for s in specs if s.path.endswith("word_embeddings/weight"))
         specs = [s for s in specs if s is not emb] + ([emb] if pp_rank != 0 else [])
     if cfg.transformer_impl == "transformer_engine":
-        if cfg.moe_grouped_gemm and any(s.expert is not None for s in specs):
-            raise ConfigError("grouped-GEMM experts under TransformerEngine (TEGroupedMLP) with optimizer "
-                              "state kept by position (distrib_optim.pt, dp_reshardable buffers, a legacy "
-                              "Adam): tenplex has not checked TEGroupedMLP's parameter order; save the "
-                              "optimizer as torch_dist fully_reshardable (--dist-ckpt-optim-fully-reshardable)")
+        if cfg.moe_grouped_gemm:
+            specs = _grouped_order(specs)
         specs = _te_order(specs)
     return specs
+
+
+def _grouped_order(specs: list[ParamSpec]) -> list[ParamSpec]:
+    """``specs`` with each layer's experts in ``TEGroupedMLP`` order (see :func:`param_order`):
+    the ``linear_fc1`` weights of the local experts by id, then the ``linear_fc2`` ones."""
+    out: list[ParamSpec] = []
+    run: list[ParamSpec] = []  # one layer's experts, in SequentialMLP order
+    for s in specs + [None]:  # type: ignore[operator]
+        if s is None or s.expert is None or (run and run[0].layer != s.layer):
+            out.extend(sorted(run, key=lambda e: "/linear_fc2/" in e.path))  # stable: by id within each
+            run = []
+        if s is not None:
+            (out if s.expert is None else run).append(s)
+    return out
 
 
 def _te_order(specs: list[ParamSpec]) -> list[ParamSpec]:

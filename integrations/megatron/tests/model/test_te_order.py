@@ -32,11 +32,34 @@ def test_te_moves_the_attention_norm_behind_linear_proj():
     assert sorted(te) == sorted(local) and te[0] == local[0] and te[-1] == local[-1]
 
 
-def test_te_grouped_gemm_experts_are_refused_where_order_matters():
-    cfg = MegatronConfig(**DENSE, num_moe_experts=4, moe_grouped_gemm=True, transformer_impl="transformer_engine")
-    with pytest.raises(ConfigError, match="TEGroupedMLP"):
-        param_order(cfg, ParallelConfig(), 0)
-    assert param_order(cfg.with_impl("local"), ParallelConfig(), 0)  # the local spec's sequential order
+def _experts(cfg, config, ep_rank=0, layer=1):
+    return [s.path.split("/mlp/experts/")[1] for s in param_order(cfg, config, 0, 0, ep_rank)
+            if s.layer == layer and s.expert is not None]
+
+
+def test_te_grouped_gemm_experts_follow_te_grouped_mlp_order():
+    """megatron-core's ``TEGroupedMLP`` builds ``linear_fc1`` then ``linear_fc2``, and TE's ``GroupedLinear``
+    registers ``weight0``, ``weight1``, ...: a layer's experts are every fc1, then every fc2, where
+    ``SequentialMLP`` (the local spec, or TE without ``--moe-grouped-gemm``) has each expert's pair in turn.
+    Everything else keeps its place. (The end-to-end check: formats/test_te_grouped_experts.py.)"""
+    grouped = MegatronConfig(**DENSE, num_moe_experts=4, moe_grouped_gemm=True, transformer_impl="transformer_engine")
+    sequential = grouped.with_overrides({"moe_grouped_gemm": False})
+    assert _experts(grouped, ParallelConfig()) == [f"{g}/linear_fc{n}/weight" for n in (1, 2) for g in range(4)]
+    assert _experts(grouped, ParallelConfig(dp=2, ep=2), ep_rank=1) == [
+        "2/linear_fc1/weight", "3/linear_fc1/weight", "2/linear_fc2/weight", "3/linear_fc2/weight"]
+    for cfg in (sequential, grouped.with_impl("local")):
+        assert _experts(cfg, ParallelConfig()) == [f"{g}/linear_fc{n}/weight" for g in range(4) for n in (1, 2)]
+    a, b = ([s.path for s in param_order(c, ParallelConfig(), 0)] for c in (grouped, sequential))
+    assert len(a) == len(b) and all((x == y) or ("/experts/" in x and "/experts/" in y) for x, y in zip(a, b))
+
+
+def test_single_grouped_expert_parameters_are_refused():
+    args = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, num_experts=4,
+                moe_grouped_gemm=True, transformer_impl="transformer_engine")
+    assert MegatronConfig.from_args({**args, "moe_single_grouped_weight": False}).moe_grouped_gemm
+    for flag in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
+        with pytest.raises(ConfigError, match=f"{flag}=True .*one parameter per expert"):
+            MegatronConfig.from_args({**args, flag: True})
 
 
 def test_transformer_impl_from_args():
