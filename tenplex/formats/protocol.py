@@ -95,7 +95,8 @@ from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import PTree
 from tenplex.store.source import ShardSource
 
-__all__ = ["Format", "Description", "WriteResult", "VerifyResult", "Progress", "Part", "padding_lines"]
+__all__ = ["Format", "Description", "WriteResult", "VerifyResult", "Progress", "Part", "padding_lines",
+           "source_notes"]
 
 Progress = Callable[[int, int], None]
 """``progress(done_bytes, total_bytes)``."""
@@ -221,3 +222,9 @@ class Format(Protocol):
 def padding_lines(changes) -> tuple[str, ...]:
     """``str`` of each padding change (``PaddingChange`` records or lines already)."""
     return tuple(str(c) for c in changes)
+
+
+def source_notes(source) -> tuple[str, ...]:
+    """The notes of the :class:`Description` behind ``source`` (a format's ``open_source``: what it
+    dropped or derived while reading), for the target's report; ``()`` for a source without one."""
+    return tuple(getattr(getattr(source, "desc", None), "notes", None) or ())

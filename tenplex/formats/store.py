@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from tenplex.errors import ManifestError, StoreError
-from tenplex.formats.protocol import Description, VerifyResult, WriteResult, padding_lines
+from tenplex.formats.protocol import Description, VerifyResult, WriteResult, padding_lines, source_notes
 from tenplex.limits import short
 from tenplex.ptree.config import ParallelConfig
 from tenplex.store.blocks import DEFAULT_BLOCK
@@ -54,7 +54,8 @@ def write_store(source: ShardSource, dst: str, to: ParallelConfig, *, threads: i
         progress: ``progress(done_bytes, total_bytes)``: target tensor bytes written.
 
     Returns:
-        A :class:`WriteResult` (``bytes_read`` counts the source's reads so far).
+        A :class:`WriteResult` (``bytes_read`` counts the source's reads so far; ``notes`` are the
+        source's, :func:`~tenplex.formats.protocol.source_notes`).
 
     Raises:
         ConfigError: ``to`` cannot hold the tree.
@@ -75,7 +76,7 @@ def write_store(source: ShardSource, dst: str, to: ParallelConfig, *, threads: i
         runner.close()
     return WriteResult(bytes_read=source.bytes_read, bytes_needed=runner.bytes_needed,
                        bytes_written=writer.bytes_written, files=len(writer.entries()),
-                       padding=padding_lines(plan.padding))
+                       padding=padding_lines(plan.padding), notes=source_notes(source))
 
 
 class TenplexFormat:

@@ -28,6 +28,7 @@ import uuid
 import torch
 
 from tenplex.errors import AlreadyExistsError, ConfigError
+from tenplex.formats.protocol import source_notes
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.shards import piece_view
 
@@ -182,7 +183,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         # states its dense ranks write
         values = TargetValues(build.values, cfg, to) if part is None else part_values(
             build, cfg, to, [r for r in mine if to.coord(r).dense_dp_first])
-        values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
+        values.notes.extend(source_notes(source))
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:

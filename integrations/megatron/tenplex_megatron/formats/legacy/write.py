@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 
 from tenplex.errors import AlreadyExistsError, ConfigError
+from tenplex.formats.protocol import source_notes
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.tree import torch_dtype
 
@@ -122,7 +123,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         mine = part_ranks(build, [r for _, r in writers], part) if part is not None else None
         # a part reads the values (RNG states) of its own files only
         values = TargetValues(build.values, cfg, to) if mine is None else part_values(build, cfg, to, mine)
-        values.notes.extend(getattr(getattr(source, "desc", None), "notes", None) or [])
+        values.notes.extend(source_notes(source))
         optimizer = legacy_optimizer(meta, values.args) if any(
             p.startswith("optimizer/") for p in source.tree.leaves) else None
         if optimizer == "adam" and to.vpp > 1:

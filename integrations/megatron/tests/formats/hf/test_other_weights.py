@@ -83,6 +83,8 @@ def test_rotary_inv_freq_buffers_of_old_checkpoints_are_ignored_with_a_note(tmp_
     torch.save(state, old / "pytorch_model.bin")
     done = run_cli(["reshard", str(old), str(tmp_path / "megatron"), "--to", "tp=2", "--format", "megatron-dist"])
     assert done.returncode == 0 and "note: ignored 2 rotary_emb.inv_freq buffers" in done.stderr, done.stderr
+    done = run_cli(["reshard", str(old), str(tmp_path / "store"), "--to", "tp=2", "--format", "tenplex"])
+    assert done.returncode == 0 and "note: ignored 2 rotary_emb.inv_freq buffers" in done.stderr, done.stderr
     assert _same(_import(old, tmp_path / "from-old"), _import(tmp_path / "safetensors", tmp_path / "from-new"))
 
 
