@@ -49,7 +49,7 @@ import numpy as np
 
 from tenplex.errors import AlreadyExistsError, ConfigError, CorruptShardError, TransferError
 from tenplex.formats import TENPLEX, detect, get_format
-from tenplex.formats.protocol import padding_lines
+from tenplex.formats.protocol import padding_lines, source_notes
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Sharding
 from tenplex.store.blocks import DEFAULT_BLOCK
@@ -239,7 +239,7 @@ def reshard_distributed(src: str, dst: str, to: ParallelConfig, *, comm: Comm, f
                 raise CorruptShardError(error)
     return DistributedReshardReport(src_fmt.name, out_fmt.name, source.config, to, stats,
                                     sum(len(s.ranks) for s in stats), time.perf_counter() - start,
-                                    padding_lines(plan.padding))
+                                    padding_lines(plan.padding), source_notes(source))
 
 
 def open_source(guard: TransferGuard, comm: Comm, fmt, src: str, opts: dict, args: dict):

@@ -67,25 +67,55 @@ def test_pytorch_model_bin_imports_as_its_safetensors_twin(tmp_path, tied):
     assert run_cli(["verify", str(single)]).returncode == 0
 
 
-def test_rotary_inv_freq_buffers_of_old_checkpoints_are_ignored_with_a_note(tmp_path):
-    """transformers before v4.31 kept each layer's ``rotary_emb.inv_freq`` in the state dict (a
-    persistent buffer, float32 ``[head_dim / 2]``), so checkpoints of that time hold them; transformers
-    ignores them on load. tenplex does too, and says so (on the old code: "has no place")."""
+def _with_inv_freq(tmp_path):
+    """A ``.bin`` directory of the real model with what ``LlamaRotaryEmbedding`` registered before
+    transformers v4.31 (``1 / theta^(2j / head_dim)``, per layer)."""
     model = _model(tmp_path, False)
     state = dict(model.state_dict())
     head_dim = 32 // 4
-    for i in range(2):  # what LlamaRotaryEmbedding registered: 1 / theta^(2j / head_dim)
+    for i in range(2):
         state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = \
             1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     old = tmp_path / "old"
     old.mkdir()
     (old / "config.json").write_bytes((tmp_path / "safetensors" / "config.json").read_bytes())
     torch.save(state, old / "pytorch_model.bin")
-    done = run_cli(["reshard", str(old), str(tmp_path / "megatron"), "--to", "tp=2", "--format", "megatron-dist"])
-    assert done.returncode == 0 and "note: ignored 2 rotary_emb.inv_freq buffers" in done.stderr, done.stderr
-    done = run_cli(["reshard", str(old), str(tmp_path / "store"), "--to", "tp=2", "--format", "tenplex"])
-    assert done.returncode == 0 and "note: ignored 2 rotary_emb.inv_freq buffers" in done.stderr, done.stderr
+    return old
+
+
+NOTE = "note: ignored 2 rotary_emb.inv_freq buffers"
+
+
+def test_rotary_inv_freq_buffers_of_old_checkpoints_are_ignored_with_a_note(tmp_path):
+    """transformers before v4.31 kept each layer's ``rotary_emb.inv_freq`` in the state dict (a
+    persistent buffer, float32 ``[head_dim / 2]``), so checkpoints of that time hold them; transformers
+    ignores them on load. tenplex does too, and says so, whatever the target format (on the old code:
+    "has no place"; before a640f51 a tenplex target did not say so)."""
+    old = _with_inv_freq(tmp_path)
+    for fmt in ("megatron-dist", "tenplex"):
+        done = run_cli(["reshard", str(old), str(tmp_path / fmt), "--to", "tp=2", "--format", fmt])
+        assert done.returncode == 0 and NOTE in done.stderr, done.stderr
     assert _same(_import(old, tmp_path / "from-old"), _import(tmp_path / "safetensors", tmp_path / "from-new"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_note_is_reported_under_torchrun(tmp_path):
+    """Two processes resharding to a tenplex store report the source's notes as one process does."""
+    import os
+    import subprocess
+    import sys
+
+    old = _with_inv_freq(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--monitor-interval=0.5", "-m", "tenplex", "reshard", str(old), str(tmp_path / "store"),
+           "--to", "dp=2", "--format", "tenplex", "--json"]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert any(n.startswith(NOTE.removeprefix("note: ")) for n in report["notes"]), report
+    assert len(report["processes"]) == 2
 
 
 def test_a_pickle_that_would_run_code_is_refused_unrun(tmp_path):
