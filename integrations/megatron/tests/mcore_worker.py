@@ -126,9 +126,12 @@ def patch_torch_norm_for_sp():
 
 def apply_cpu_patches(a) -> None:
     """The CPU workarounds the flags need (NOTES.md fact 1); none for a dense model at cp = 1."""
+    import numpy as np
     from tenplex_megatron import cpu_shim
 
     (cpu_shim.apply_optimizer_patches if a.optimizer else cpu_shim.apply)()
+    if not hasattr(np, "product"):  # megatron-core <= 0.13's checkpoint validation (numpy 2 removed it)
+        np.product = np.prod
     if a.experts and not a.no_te_gemm_fix:
         # without TE, moe_utils never binds te_general_gemm (NameError in the router)
         import megatron.core.transformer.moe.moe_utils as moe_utils

@@ -17,14 +17,12 @@ continues training after a reshard; on af558d8 (before TE's parameter order) its
 4.82, 4.82 instead of 4.36, 4.21.
 """
 
-import os
 import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
 
+import mcore_venv
 from mcore_helpers import TESTS, logits, losses, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -37,24 +35,7 @@ MOE = ("--layers 2 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --po
 
 
 def venv_python() -> str:
-    """The python of a cached venv with megatron-core 0.19.2; skips the test if pip cannot install it."""
-    root = os.path.join(tempfile.gettempdir(), f"tenplex-mcore-{VERSION}-venv")
-    python = os.path.join(root, "bin", "python")
-    check = [python, "-c", f"import megatron.core as m; assert m.__version__ == '{VERSION}'"]
-    if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
-        return python
-    steps = [[sys.executable, "-m", "venv", "--system-site-packages", root],
-             [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-requires-python",
-              f"megatron-core=={VERSION}"],
-             [python, "-m", "pip", "install", "-q", "--no-deps", "triton==3.7.1"]]
-    for cmd in steps:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            pytest.skip(f"cannot install megatron-core {VERSION} ({' '.join(cmd[2:])}): "
-                        f"{(done.stderr or done.stdout).strip()[-300:]}")
-    done = subprocess.run(check, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return python
+    return mcore_venv.venv_python(VERSION)
 
 
 def run(python: str, worker: str, n: int, flags: str, *extra: str) -> str:

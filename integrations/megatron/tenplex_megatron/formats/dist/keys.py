@@ -24,6 +24,7 @@ from tenplex.errors import TenplexError
 from tenplex.ptree.sharding import Sharding
 
 from tenplex_megatron.model.derived import derived
+from tenplex_megatron.formats.dist.model_space import MODEL_SPACE, model_space_shape
 from tenplex_megatron.formats.folders import locate, sharded_backend
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
@@ -120,6 +121,8 @@ def optimizer_prefix(optim: str | None, state: str, params_dtype: str) -> str:
     model key follows it.
 
     - distributed optimizer, ``fully_reshardable``: ``optimizer.state.<state>.``;
+    - distributed optimizer, ``fully_sharded_model_space`` (megatron-core <= 0.13): the same, but
+      ``optimizer.state.fp32_param.`` for the main params;
     - non-distributed optimizer (``optim="adam"``): moments as above; the fp32 main params are the
       model's own tensors (prefix ``""``) over fp32 params (megatron-core ``FP32Optimizer``), and
       ``optimizer.state.fp32_param.`` over bf16/fp16 params (``Float16OptimizerWithFloat16Params.
@@ -127,6 +130,8 @@ def optimizer_prefix(optim: str | None, state: str, params_dtype: str) -> str:
     """
     if optim == "adam" and state == "param":
         return "" if params_dtype == "float32" else "optimizer.state.fp32_param."
+    if optim == MODEL_SPACE and state == "param":
+        return "optimizer.state.fp32_param."
     return f"optimizer.state.{state}."
 
 
@@ -134,7 +139,7 @@ def optimizer_states(optim: str | None, params_dtype: str) -> tuple[str, ...]:
     """The optimizer states stored under their own keys (:func:`optimizer_prefix`): all three for the
     distributed optimizer (``fully_reshardable``) and for a non-distributed one over bf16/fp16
     params; the moments alone over fp32 params; none otherwise (``dp_reshardable`` is flat)."""
-    if optim == "fully_reshardable" or (optim == "adam" and params_dtype != "float32"):
+    if optim in ("fully_reshardable", MODEL_SPACE) or (optim == "adam" and params_dtype != "float32"):
         return OPTIMIZER_STATES
     return ("exp_avg", "exp_avg_sq") if optim == "adam" else ()
 
@@ -144,7 +149,8 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None,
     """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
 
     Optimizer state is keyed as :func:`optimizer_prefix` says, for the states of
-    :func:`optimizer_states`.
+    :func:`optimizer_states`; ``fully_sharded_model_space`` state has the reformulated shape of
+    :func:`~tenplex_megatron.formats.dist.model_space.model_space_shape`.
 
     Shapes are padded at ``sharding.config``'s tp, with the leading axes of
     :func:`dist_key`: layers stacked ``[num_layers, ...]`` (one key holds every
@@ -164,7 +170,9 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None,
         shape = lead_sizes + sharding.physical_shape(spec.leaf)
         for prefix, state in prefixes if spec.param else prefixes[:1]:
             dtype = spec.leaf.dtype if state is None else "float32"
-            out[prefix + key] = (shape, dtype, spec.path, spec.layer)
+            stored = shape if state is None or optim != MODEL_SPACE else \
+                lead_sizes + model_space_shape(sharding, spec.leaf, prefix + key)
+            out[prefix + key] = (stored, dtype, spec.path, spec.layer)
     return out
 
 

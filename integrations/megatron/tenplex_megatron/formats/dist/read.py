@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import ConfigError, ManifestError
+from tenplex.limits import short
 from tenplex.ptree.config import ParallelConfig
 from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
@@ -30,6 +31,7 @@ from tenplex.store.paths import check_inside
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.dist.buffers import chained, expected_flat
+from tenplex_megatron.formats.dist.model_space import MODEL_SPACE, check_steps
 from tenplex_megatron.formats.dist.keys import (COMMON_STATE, DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
                                        dist_names,
                                        expected_tensors, is_dist, known_extra_state, object_key)
@@ -117,7 +119,8 @@ def _chained(optimizer: dict, where: str) -> tuple[dict, list | None]:
 
 
 def _optim_type(common: dict, keys, where: str = "") -> str | None:
-    """``"fully_reshardable"``/``"dp_reshardable"`` (distributed optimizer), ``"adam"`` (a
+    """``"fully_reshardable"``/``"dp_reshardable"``/``"fully_sharded_model_space"`` (distributed
+    optimizer; :mod:`~tenplex_megatron.formats.dist.model_space`), ``"adam"`` (a
     non-distributed one: ``{"state": {"common_step"}, "param_groups"}``, megatron-core
     ``FP32Optimizer.sharded_state_dict``; over bf16/fp16 params the same under ``"optimizer"``,
     ``Float16OptimizerWithFloat16Params.sharded_state_dict``, whose ``fp32_from_fp16_params``
@@ -135,9 +138,11 @@ def _optim_type(common: dict, keys, where: str = "") -> str | None:
         kind = "fully_reshardable"
     if kind is None and any(FLAT_KEY.match(k) for k in keys):
         kind = "dp_reshardable"
-    if kind not in (None, "fully_reshardable", "dp_reshardable"):
-        raise ManifestError(f"optimizer sharding type {kind!r} is not supported; save with "
-                            "fully_reshardable or dp_reshardable")
+    if kind not in (None, "fully_reshardable", "dp_reshardable", MODEL_SPACE):
+        raise ManifestError(f"{where}: distributed optimizer state of sharding type {short(kind)} is not "
+                            f"supported (tenplex reads fully_reshardable, dp_reshardable and {MODEL_SPACE}; "
+                            "megatron-core before 0.14 writes dp_zero_gather_scatter with "
+                            "--no-ckpt-fully-parallel-save): save it again with --ckpt-fully-parallel-save")
     return kind
 
 
@@ -377,7 +382,8 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
-                     - ({"state", "param_groups", "fp32_from_fp16_params"} if optim == "adam" else set()))
+                     - ({"state", "param_groups", "fp32_from_fp16_params"} if optim == "adam" else set())
+                     - ({"param_state"} if optim == MODEL_SPACE else set()))
     if unknown:
         raise ManifestError(f"{root}/common.pt: optimizer entries {unknown} are not supported")
     groups: Any = (optimizer.get("optimizer") or {}).get("param_groups", [])
@@ -387,6 +393,8 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
         groups, step = body.get("param_groups") or [], _common_step(body, root)
     if optim == "dp_reshardable":
         groups, expert_groups = _dp_groups(cfg, config, root, md)
+    if optim == MODEL_SPACE:
+        check_steps(optimizer.get("param_state"), groups, f"{root}/common.pt")
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
     values = {
         "megatron/iteration": common.get("iteration", found.iteration if found.iteration is not None else 0),

@@ -30,6 +30,7 @@ from tenplex.ptree.tree import torch_dtype
 from tenplex_megatron.formats.main_params import check_main_params
 from tenplex_megatron.formats.dist.buffers import flat_index, optimizer_buffers
 from tenplex_megatron.formats.dist.keys import EXTRA_KEY, dist_key, optimizer_prefix
+from tenplex_megatron.formats.dist.model_space import MODEL_SPACE, model_space_pieces
 from tenplex_megatron.formats.dist.read import DcpRecord, FoundDist, describe_dist, rng_coords
 from tenplex_megatron.dcp.records import MetadataIndex
 from tenplex_megatron.dcp.safe import read_objects
@@ -81,7 +82,10 @@ class DistSource(MegatronSource):
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)
         key, lead, _ = dist_key(self.desc.cfg, spec, self.meta["megatron"].get("names", "local"))
-        return DcpRecord(prefix + key, lead, held.pieces, held.shape, dtype)
+        pieces = held.pieces
+        if prefix and self.optim == MODEL_SPACE:  # each tp shard flattened (model_space.py)
+            pieces = model_space_pieces(self.sharding.physical_shape(leaf), pieces, f"{self.root}: {prefix + key}")
+        return DcpRecord(prefix + key, lead, pieces, held.shape, dtype)
 
     def _flat_record(self, spec, state, coord, dtype) -> DcpRecord:
         found = flat_index(self.desc.cfg, self.config, spec.path, coord)
