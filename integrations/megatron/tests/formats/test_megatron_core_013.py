@@ -31,8 +31,12 @@ MODEL = ("--layers 2 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --
          "--make-vocab-size-divisible-by 16 --seq 8 --batch 4 --dist-opt")
 
 
-def run(python: str, n: int, *extra: str) -> str:
-    return torchrun(TESTS / "mcore_worker.py", n, [*MODEL.split(), *extra], timeout=400, python=python)
+MOE = ("--layers 4 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
+       "--vocab 128 --make-vocab-size-divisible-by 16 --seq 8 --batch 4 --experts 4 --topk 2 --dist-opt")
+
+
+def run(python: str, n: int, *extra: str, worker: str = "mcore_worker.py", model: str = MODEL) -> str:
+    return torchrun(TESTS / worker, n, [*model.split(), *extra], timeout=400, python=python)
 
 
 def reshard(src, dst, to: str, fmt: str) -> None:
@@ -79,3 +83,25 @@ def test_013_checkpoint_reshards_and_trains_on(saved, tmp_path, fmt, to, n, flag
                      "--load-dir", str(tmp_path / "out"), "--train-steps", "2"))
     assert len(expected) == len(got) == 2 and all(abs(e - g) <= 1e-6 for e, g in zip(expected, got)), \
         (expected, got)
+
+
+def test_013_moe_checkpoint_with_chained_keys_reshards_and_trains_on(saved, tmp_path):
+    """At ep 2 megatron-core 0.13 chains a dense and an expert optimizer and puts ``chained_0.`` and
+    ``chained_1.`` before their keys (0.14 added ``chained_optim_avoid_prefix``); the experts' items
+    have the leading (layer, expert) axes. Resharded to ep 1 (legacy, in 0.13.1) and kept at ep 2
+    (``torch_dist``, in 0.16.1), training goes on with the losses of the run that saved it."""
+    venv, _, _ = saved
+    src = tmp_path / "src"
+    out = run(venv, 2, "--ep", "2", "--train-steps", "2", "--sharding-type", "fully_sharded_model_space",
+              "--save", "dist", "--save-dir", str(src), "--train-after-save", "2", worker="moe_worker.py",
+              model=MOE)
+    expected = losses(out)[2:]
+    assert b"chained_1.optimizer.state.exp_avg.decoder.layers.mlp.experts" in (src / ".metadata").read_bytes()
+    for fmt, to, n, ep, python in (("megatron-legacy", "dp=1", 1, "1", venv),
+                                   ("megatron-dist", "dp=2,ep=2", 2, "2", sys.executable)):
+        dst = tmp_path / fmt
+        reshard(src, dst, to, fmt)
+        got = losses(run(python, n, "--ep", ep, "--load", fmt.removeprefix("megatron-"), "--load-dir", str(dst),
+                         "--train-steps", "2", worker="moe_worker.py", model=MOE))
+        assert len(expected) == len(got) == 2 and all(abs(e - g) <= 1e-6 for e, g in zip(expected, got)), \
+            (fmt, expected, got)

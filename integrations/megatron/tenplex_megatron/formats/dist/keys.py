@@ -30,7 +30,7 @@ from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
 
 __all__ = ["COMMON_STATE", "dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
-           "optimizer_prefix", "optimizer_states",
+           "optimizer_prefix", "optimizer_states", "chain_prefix",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
            "known_extra_state", "dist_key"]
 
@@ -135,6 +135,13 @@ def optimizer_prefix(optim: str | None, state: str, params_dtype: str) -> str:
     return f"optimizer.state.{state}."
 
 
+def chain_prefix(spec: ParamSpec) -> str:
+    """``chained_0.`` (dense) or ``chained_1.`` (an expert): what megatron-core <= 0.13's
+    ``ChainedOptimizer.sharded_state_dict`` put before each sub-optimizer's keys at ep > 1 (0.14
+    added ``chained_optim_avoid_prefix``)."""
+    return f"chained_{0 if spec.expert is None else 1}."
+
+
 def optimizer_states(optim: str | None, params_dtype: str) -> tuple[str, ...]:
     """The optimizer states stored under their own keys (:func:`optimizer_prefix`): all three for the
     distributed optimizer (``fully_reshardable``) and for a non-distributed one over bf16/fp16
@@ -144,13 +151,14 @@ def optimizer_states(optim: str | None, params_dtype: str) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq") if optim == "adam" else ()
 
 
-def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None, names: str = "local"
-                     ) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
+def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None, names: str = "local",
+                     chained_prefix: bool = False) -> dict[str, tuple[tuple[int, ...], str, str, int | None]]:
     """``{DCP key: (global shape, dtype name, tree path, layer)}`` of the model (and model-space optimizer).
 
     Optimizer state is keyed as :func:`optimizer_prefix` says, for the states of
     :func:`optimizer_states`; ``fully_sharded_model_space`` state has the reformulated shape of
-    :func:`~tenplex_megatron.formats.dist.model_space.model_space_shape`.
+    :func:`~tenplex_megatron.formats.dist.model_space.model_space_shape`, and with
+    ``chained_prefix`` :func:`chain_prefix` before its key.
 
     Shapes are padded at ``sharding.config``'s tp, with the leading axes of
     :func:`dist_key`: layers stacked ``[num_layers, ...]`` (one key holds every
@@ -172,7 +180,8 @@ def expected_tensors(cfg: MegatronConfig, sharding: Sharding, optim: str | None,
             dtype = spec.leaf.dtype if state is None else "float32"
             stored = shape if state is None or optim != MODEL_SPACE else \
                 lead_sizes + model_space_shape(sharding, spec.leaf, prefix + key)
-            out[prefix + key] = (stored, dtype, spec.path, spec.layer)
+            chain = chain_prefix(spec) if state is not None and chained_prefix else ""
+            out[chain + prefix + key] = (stored, dtype, spec.path, spec.layer)
     return out
 
 

@@ -197,9 +197,10 @@ def _buffer_grid(cfg, md, where) -> tuple[int, int]:
     return matches[0]
 
 
-def _check_keys(cfg, sharding, md, optim, dtypes, where, names: str = "local") -> tuple[str, str] | None:
+def _check_keys(cfg, sharding, md, optim, dtypes, where, names: str = "local",
+                chained_prefix: bool = False) -> tuple[str, str] | None:
     """Every DCP key is known and holds what the model config says; returns the buffer dtypes."""
-    expected = expected_tensors(cfg, sharding, optim, names)
+    expected = expected_tensors(cfg, sharding, optim, names, chained_prefix)
     config = sharding.config
     found_flat: set = set()
     for key, item in md.state_dict_metadata.items():
@@ -378,7 +379,10 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     check_vocab(cfg, args, config.tp, emb.size[0] if emb is not None else None, root)
     tree = megatron_tree(cfg, optimizer=optim is not None)
     sharding = Sharding(tree, config)
-    dtypes = _check_keys(cfg, sharding, md, optim, None, root, names)
+    # megatron-core <= 0.13 chained its dense and expert optimizers' keys (chained_0., chained_1.)
+    prefixed = optim == MODEL_SPACE and chained(cfg, config) and \
+        any(k.startswith("chained_") for k in md.state_dict_metadata)
+    dtypes = _check_keys(cfg, sharding, md, optim, None, root, names, prefixed)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}
@@ -394,7 +398,9 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     if optim == "dp_reshardable":
         groups, expert_groups = _dp_groups(cfg, config, root, md)
     if optim == MODEL_SPACE:
-        check_steps(optimizer.get("param_state"), groups, f"{root}/common.pt")
+        for sub, sub_groups in ((optimizer, groups), ((common.get("optimizer") or {}).get(1), expert_groups)):
+            if isinstance(sub, dict):
+                check_steps(sub.get("param_state"), sub_groups, f"{root}/common.pt")
     extra = {k: to_jsonable(v, f"common.pt {k}") for k, v in common.items() if k not in _COMMON_KNOWN}
     values = {
         "megatron/iteration": common.get("iteration", found.iteration if found.iteration is not None else 0),
@@ -411,6 +417,7 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     }
     check_scalars(values, SCALARS, os.path.join(root, "common.pt"))  # issue 20: no walk over a hostile value
     meta = {"megatron": {"format": "dist", "root": root, "config": cfg.to_json(), "optimizer": optim, "names": names,
+                         **({"chained_prefix": True} if prefixed else {}),
                          "buffer_dtypes": list(dtypes) if dtypes else None,
                          "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
     return FoundDist(Description(cfg, config, tree, values, meta, sharding=sharding), md, nbytes, refs)

@@ -29,7 +29,7 @@ from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.formats.main_params import check_main_params
 from tenplex_megatron.formats.dist.buffers import flat_index, optimizer_buffers
-from tenplex_megatron.formats.dist.keys import EXTRA_KEY, dist_key, optimizer_prefix
+from tenplex_megatron.formats.dist.keys import EXTRA_KEY, chain_prefix, dist_key, optimizer_prefix
 from tenplex_megatron.formats.dist.model_space import MODEL_SPACE, model_space_pieces
 from tenplex_megatron.formats.dist.read import DcpRecord, FoundDist, describe_dist, rng_coords
 from tenplex_megatron.dcp.records import MetadataIndex
@@ -78,6 +78,8 @@ class DistSource(MegatronSource):
             if self.optim == "dp_reshardable":
                 return self._flat_record(spec, state, coord, dtype)
             prefix = optimizer_prefix(self.optim, state, self.desc.cfg.params_dtype)
+            if self.meta["megatron"].get("chained_prefix"):
+                prefix = chain_prefix(spec) + prefix
         else:
             spec, prefix = spec_of(self.desc.cfg, path), ""
         held = self.sharding.holding(path, coord)
