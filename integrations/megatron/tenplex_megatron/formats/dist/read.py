@@ -350,7 +350,8 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
 
     Raises:
         ManifestError: not a ``torch_dist`` directory, an unsafe pickle, an
-            unknown, missing or mis-shaped key.
+            unknown, missing or mis-shaped key, or ``singleton_local_shards`` in the
+            content metadata (megatron-core's per-layer, per-expert layout).
         ConfigError: no model config can be found, or the stored vocabulary
             rows do not fit it.
     """
@@ -360,6 +361,11 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
         raise ManifestError(f"{root}: no metadata.json with sharded_backend 'torch_dist'")
     md, refs = read_checked(root)
     common = read_common(root, md)
+    if (common.get("content_metadata") or {}).get("singleton_local_shards") is True:
+        raise ManifestError(f"{root}: saved with singleton_local_shards (every layer, expert and SwiGLU half "
+                            "its own tensor; NeMo 2's default with megatron-core >= 0.14), which tenplex does "
+                            "not read: load it in megatron-core and save it again with "
+                            "singleton_local_shards=False (Megatron-LM's layout)")
     args = common.get("args")
     check_args(args, os.path.join(root, "common.pt") if os.path.exists(os.path.join(root, "common.pt"))
                else f"{root} [{COMMON_STATE}]")  # issue 20: bound every count before it sizes a loop
