@@ -65,7 +65,7 @@ def _action_flags(add) -> None:
     add("--optimizer", action="store_true", help="build DDP + Adam even with 0 steps")
     add("--dist-opt", action="store_true")
     add("--sharding-type", default="fully_reshardable",
-        choices=["fully_reshardable", "dp_reshardable", "fully_sharded_model_space"])
+        choices=["fully_reshardable", "dp_reshardable", "fully_sharded_model_space", "dp_zero_gather_scatter"])
     add("--lr", type=float, default=1e-3)
     add("--device", choices=["cpu", "cuda"], default="cpu",
         help="cuda: the model on this process's GPU (LOCAL_RANK), NCCL, no CPU patches")

@@ -117,3 +117,40 @@ def test_013_moe_checkpoint_with_chained_keys_reshards_and_trains_on(saved, tmp_
                      "--train-steps", "2", worker="moe_worker.py", model=MOE))
     assert len(expected) == len(got) == 2 and all(abs(e - g) <= 1e-6 for e, g in zip(expected, got)), \
         (expected, got)
+
+
+def test_013_dp_zero_state_reshards_and_trains_on(saved, tmp_path):
+    """``--no-ckpt-fully-parallel-save`` before 0.14: each (tp, pp) rank's flat buffers gathered into one
+    byte object (formats/dist/dp_zero.py), ``dp_group_idx = t + tp * p``. Saved at tp 2, pp 2, resharded
+    to tp 1, pp 1 as ``torch_dist``; megatron-core 0.16.1 goes on with the losses of the run that saved it.
+    (On c65add9: "optimizer sharding type 'dp_zero_gather_scatter' is not supported".)"""
+    venv, _, _ = saved
+    src = tmp_path / "src"
+    out = run(venv, 4, "--tp", "2", "--pp", "2", "--train-steps", "2", "--sharding-type", "dp_zero_gather_scatter",
+              "--save", "dist", "--save-dir", str(src), "--train-after-save", "2")
+    expected = losses(out)[2:]
+    assert b"dp_group_idx_3.param_state" in (src / ".metadata").read_bytes()
+    _shared_reads_as_opened(src)
+    reshard(src, tmp_path / "out", "dp=1,tp=1,pp=1", "megatron-dist")
+    got = losses(run(sys.executable, 1, "--tp", "1", "--load", "dist", "--load-dir", str(tmp_path / "out"),
+                     "--train-steps", "2"))
+    assert len(expected) == len(got) == 2 and all(abs(e - g) <= 1e-6 for e, g in zip(expected, got)), \
+        (expected, got)
+
+
+def _shared_reads_as_opened(root) -> None:
+    """Under torchrun process 0 sends the opened source as JSON: rebuilt from it, every optimizer leaf
+    reads the bytes the opened source reads."""
+    import json
+
+    from tenplex_megatron.formats.plugin import DIST
+
+    source = DIST.open_source(str(root))
+    back = DIST.open_shared(str(root), json.loads(json.dumps(DIST.share(source), allow_nan=False)))
+    config = source.config
+    for path, _ in source.tree.tensors():
+        if path.startswith("optimizer/"):
+            for r in range(config.world_size):
+                if source.sharding.holding(path, config.coord(r)) is not None:
+                    a, b = source.read(source.record(path, r)), back.read(back.record(path, r))
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (path, r)

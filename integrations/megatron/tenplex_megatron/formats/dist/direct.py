@@ -8,8 +8,8 @@ and Megatron-LM's RNG states, which are keyed by the (pp, tp) grid
 (re-keyed: a coordinate of both grids keeps its state, a new one gets a
 state derived from the seed). Every other item is copied byte for byte,
 one item at a time, into a file of the same name. ``dp_reshardable``
-optimizer buffers and ``fully_sharded_model_space`` state (flattened tp shards) depend on the
-layout, so their directories go through the planner instead (:func:`reshard_dist` returns None).
+optimizer buffers, ``fully_sharded_model_space`` state (flattened tp shards) and
+``dp_zero_gather_scatter`` objects depend on the layout, so their directories go through the planner instead (:func:`reshard_dist` returns None).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tenplex.transform.plan import PaddingChange
 
 from tenplex_megatron.formats.common import TargetValues
 from tenplex_megatron.formats.dist.keys import COMMON_STATE, RNG_KEY, optimizer_prefix, optimizer_states, rng_key
+from tenplex_megatron.formats.dist.dp_zero import DP_ZERO
 from tenplex_megatron.formats.dist.model_space import MODEL_SPACE
 from tenplex_megatron.formats.dist.read import read_common
 from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
@@ -56,7 +57,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
         ManifestError: a bad source (see :func:`tenplex_megatron.formats.dist.source.open_dist`).
     """
     source = open_dist(src, model_config, iteration)
-    if source.optim in ("dp_reshardable", MODEL_SPACE) or names not in (None, source.meta["megatron"].get("names")):
+    if source.optim in ("dp_reshardable", MODEL_SPACE, DP_ZERO) or names not in (None, source.meta["megatron"].get("names")):
         return None  # optimizer state follows the layout, or keys are renamed: through the planner
     cfg = source.desc.cfg
     source.tree.validate(to)

@@ -31,6 +31,7 @@ from tenplex.store.paths import check_inside
 
 from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
 from tenplex_megatron.formats.dist.buffers import chained, expected_flat
+from tenplex_megatron.formats.dist.dp_zero import DP_ZERO, zero_refs
 from tenplex_megatron.formats.dist.model_space import MODEL_SPACE, check_steps
 from tenplex_megatron.formats.dist.keys import (COMMON_STATE, DP_OBJECTS, FLAT_KEY, OBJECT_KEY, RNG_KEY, classify,
                                        dist_names,
@@ -138,11 +139,10 @@ def _optim_type(common: dict, keys, where: str = "") -> str | None:
         kind = "fully_reshardable"
     if kind is None and any(FLAT_KEY.match(k) for k in keys):
         kind = "dp_reshardable"
-    if kind not in (None, "fully_reshardable", "dp_reshardable", MODEL_SPACE):
+    if kind not in (None, "fully_reshardable", "dp_reshardable", MODEL_SPACE, DP_ZERO):
         raise ManifestError(f"{where}: distributed optimizer state of sharding type {short(kind)} is not "
-                            f"supported (tenplex reads fully_reshardable, dp_reshardable and {MODEL_SPACE}; "
-                            "megatron-core before 0.14 writes dp_zero_gather_scatter with "
-                            "--no-ckpt-fully-parallel-save): save it again with --ckpt-fully-parallel-save")
+                            f"supported (tenplex reads fully_reshardable, dp_reshardable, {MODEL_SPACE} and "
+                            f"{DP_ZERO}): save it again with --ckpt-fully-parallel-save")
     return kind
 
 
@@ -222,7 +222,7 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where, names: str = "local",
         elif isinstance(item, BytesStorageMetadata) and key == COMMON_STATE:
             continue  # megatron-core 0.19's common state (read_common)
         elif isinstance(item, BytesStorageMetadata) and kind in ("extra_state", "rng", "dp_object"):
-            _check_object(key, kind, cfg, config, where)
+            _check_object(key, kind, cfg, config, where, optim)
         else:
             raise ManifestError(f"{where}: unknown key {key}; tenplex keeps every tensor of a checkpoint, "
                                 "and this one is not part of the model config")
@@ -237,7 +237,7 @@ def _check_keys(cfg, sharding, md, optim, dtypes, where, names: str = "local",
     return dtypes
 
 
-def _check_object(key, kind, cfg, config, where) -> None:
+def _check_object(key, kind, cfg, config, where, optim=None) -> None:
     ok = True
     if kind == "extra_state":
         ok = known_extra_state(cfg, key)
@@ -246,7 +246,7 @@ def _check_object(key, kind, cfg, config, where) -> None:
         ok = (pp, tp) == (config.pp, config.tp) and p < pp and t < tp
     elif kind == "dp_object":
         m, name = OBJECT_KEY.match(key).groups()
-        ok = int(m) < config.world_size and name in DP_OBJECTS
+        ok = int(m) < config.world_size and (name in DP_OBJECTS or (name == "param_state" and optim == DP_ZERO))
     if not ok:
         raise ManifestError(f"{where}: object {key} does not fit the model (num_layers="
                             f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
@@ -330,12 +330,15 @@ class FoundDist(NamedTuple):
         md: DCP's ``Metadata`` (read with the allow-listed unpickler).
         bytes_read: bytes read to describe it.
         refs: where each tensor item's data lies, ``{MetadataIndex: TensorRef}``.
+        flat_refs: ``dp_zero_gather_scatter`` optimizer state, ``{(leaf path, t, p): TensorRef}``
+            (:mod:`~tenplex_megatron.formats.dist.dp_zero`); empty otherwise.
     """
 
     desc: Description
     md: Any
     bytes_read: int
     refs: dict
+    flat_refs: dict = {}
 
 
 def describe_dist(path: str, model_config: dict | None = None, iteration: int | str | None = None
@@ -401,8 +404,12 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     if optim == "adam":
         body = _adam_body(optimizer, cfg.params_dtype, root)
         groups, step = body.get("param_groups") or [], _common_step(body, root)
-    if optim == "dp_reshardable":
+    flat: dict = {}
+    if optim in ("dp_reshardable", DP_ZERO):
         groups, expert_groups = _dp_groups(cfg, config, root, md)
+    if optim == DP_ZERO:
+        flat, dtypes, read = zero_refs(cfg, config, sharding, root, md)
+        nbytes += read
     if optim == MODEL_SPACE:
         for sub, sub_groups in ((optimizer, groups), ((common.get("optimizer") or {}).get(1), expert_groups)):
             if isinstance(sub, dict):
@@ -426,4 +433,4 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
                          **({"chained_prefix": True} if prefixed else {}),
                          "buffer_dtypes": list(dtypes) if dtypes else None,
                          "content_metadata": to_jsonable(common.get("content_metadata") or {})}}
-    return FoundDist(Description(cfg, config, tree, values, meta, sharding=sharding), md, nbytes, refs)
+    return FoundDist(Description(cfg, config, tree, values, meta, sharding=sharding), md, nbytes, refs, flat)

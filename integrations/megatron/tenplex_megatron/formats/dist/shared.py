@@ -56,8 +56,12 @@ def share_dist(source: DistSource) -> dict:
         path, _ = item_file(root, info.relative_path)
         files.add(path)
         rng[coord] = [fqn, info.relative_path, info.offset, info.length]
+    flat = []  # dp_zero_gather_scatter state: each leaf's place in its object's pickle
+    for (path, t, p), ref in sorted(source._flat_refs.items()):
+        files.add(ref.file)
+        flat.append([path, t, p, ref_json(ref, root)])
     out = share_common(source, root, files)
-    out.update(chunks=chunks, sizes=sizes, rng=rng)
+    out.update(chunks=chunks, sizes=sizes, rng=rng, flat=flat)
     return out
 
 
@@ -161,4 +165,19 @@ def open_shared_dist(path: str, shared: Any) -> SharedDistSource:
         refs[index] = ref
         boxes.setdefault(key, []).append(Box(tuple(offsets), ref.shape))
     _check_tiling(boxes, field(shared, "sizes", dict, what), what)
-    return SharedDistSource(FoundDist(desc, None, 0, refs), boxes, _rng(shared, root, sizes, what))
+    flat = _flat(shared, desc, root, sizes, what)
+    return SharedDistSource(FoundDist(desc, None, 0, refs, flat), boxes, _rng(shared, root, sizes, what))
+
+
+def _flat(shared: dict, desc, root: str, sizes: dict[str, int], what: str) -> dict:
+    """``{(optimizer leaf, t, p): TensorRef}`` of a ``dp_zero_gather_scatter`` source, each inside its file."""
+    out = {}
+    for item in field(shared, "flat", list, what):
+        if not isinstance(item, list) or len(item) != 4 or not isinstance(item[0], str) or \
+                not item[0].startswith("optimizer/") or item[0] not in desc.tree.leaves or \
+                not all(type(n) is int for n in item[1:3]) or not 0 <= item[1] < desc.config.tp or \
+                not 0 <= item[2] < desc.config.pp:
+            raise ManifestError(f"{what}: an optimizer buffer place is {short(item, 120)}; expected "
+                                f"[optimizer leaf, tp rank, pp rank, tensor] at tp={desc.config.tp}, pp={desc.config.pp}")
+        out[(item[0], item[1], item[2])] = ref_from(item[3], root, sizes, f"{what}: {item[0]}")
+    return out

@@ -29,6 +29,7 @@ from tenplex.ptree.tree import torch_dtype
 
 from tenplex_megatron.formats.main_params import check_main_params
 from tenplex_megatron.formats.dist.buffers import flat_index, optimizer_buffers
+from tenplex_megatron.formats.dist.dp_zero import DP_ZERO
 from tenplex_megatron.formats.dist.keys import EXTRA_KEY, chain_prefix, dist_key, optimizer_prefix
 from tenplex_megatron.formats.dist.model_space import MODEL_SPACE, model_space_pieces
 from tenplex_megatron.formats.dist.read import DcpRecord, FoundDist, describe_dist, rng_coords
@@ -67,6 +68,7 @@ class DistSource(MegatronSource):
         self._chunk_lock = threading.Lock()
         self._chunks: dict[str, dict] = {}
         self._refs: dict[MetadataIndex, TensorRef] = found.refs
+        self._flat_refs: dict = found.flat_refs  # dp_zero_gather_scatter state: TensorRefs in its objects
 
     # -- where a local tensor lies ----------------------------------------------------
     def locate(self, path: str, coord: Coord) -> DcpRecord:
@@ -77,6 +79,11 @@ class DistSource(MegatronSource):
             spec = spec_of(self.desc.cfg, model)
             if self.optim == "dp_reshardable":
                 return self._flat_record(spec, state, coord, dtype)
+            if self.optim == DP_ZERO:
+                ref = self._flat_refs.get((path, coord.tp, coord.pp))
+                if ref is None:
+                    raise ManifestError(f"{self.root}: {path} is in no optimizer buffer of the rank at {coord}")
+                return ref
             prefix = optimizer_prefix(self.optim, state, self.desc.cfg.params_dtype)
             if self.meta["megatron"].get("chained_prefix"):
                 prefix = chain_prefix(spec) + prefix
@@ -100,7 +107,7 @@ class DistSource(MegatronSource):
         return DcpRecord(key, (), (piece,), shape, dtype)
 
     def copies(self, path: str, tp_rank: int) -> dict:
-        if not (path.startswith("optimizer/") and self.optim == "dp_reshardable"):
+        if not (path.startswith("optimizer/") and self.optim in ("dp_reshardable", DP_ZERO)):
             return {}  # megatron-core stores one copy of a tied model tensor
         return {p: self.locate(path, Coord(0, tp_rank, p)) for p in (0, self.config.pp - 1)}
 
@@ -136,8 +143,11 @@ class DistSource(MegatronSource):
                                 f"tensor; the model expects {list(box.sizes)} {dtype}")
         return ref
 
-    def fetch(self, rec: DcpRecord, starts, ends) -> tuple[torch.Tensor, int]:
-        """``rec``'s local tensor; every chunk run that overlaps the byte runs is read."""
+    def fetch(self, rec: DcpRecord | TensorRef, starts, ends) -> tuple[torch.Tensor, int]:
+        """``rec``'s local tensor; every chunk run that overlaps the byte runs is read (a
+        ``dp_zero_gather_scatter`` leaf's: the runs of its place in its object)."""
+        if isinstance(rec, TensorRef):
+            return rec.read(starts, ends)
         out = torch.empty(rec.shape, dtype=rec.dtype)
         itemsize, total = rec.dtype.itemsize, 0
         runs = None if starts is None else (np.asarray(starts), np.asarray(ends))
