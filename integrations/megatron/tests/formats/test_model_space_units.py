@@ -64,8 +64,9 @@ def test_per_parameter_steps_must_agree_with_the_groups():
 
 
 def test_other_sharding_types_are_named():
-    common = {"optimizer": {"param_state_sharding_type": "dp_zero_gather_scatter"}}
-    with pytest.raises(ManifestError, match="dp_zero_gather_scatter.*--no-ckpt-fully-parallel-save"):
+    common = {"optimizer": {"param_state_sharding_type": "fully_sharded_bucket_space"}}  # deprecated in 0.13
+    with pytest.raises(ManifestError, match="ckpt: distributed optimizer state of sharding type "
+                                            "'fully_sharded_bucket_space' is not supported"):
         _optim_type(common, [], "ckpt")
-    assert _optim_type({"optimizer": {"param_state_sharding_type": "fully_sharded_model_space"}}, [], "ckpt") \
-        == "fully_sharded_model_space"
+    for kind in ("fully_sharded_model_space", "dp_zero_gather_scatter"):
+        assert _optim_type({"optimizer": {"param_state_sharding_type": kind}}, [], "ckpt") == kind

@@ -120,8 +120,10 @@ def _chained(optimizer: dict, where: str) -> tuple[dict, list | None]:
 
 
 def _optim_type(common: dict, keys, where: str = "") -> str | None:
-    """``"fully_reshardable"``/``"dp_reshardable"``/``"fully_sharded_model_space"`` (distributed
-    optimizer; :mod:`~tenplex_megatron.formats.dist.model_space`), ``"adam"`` (a
+    """``"fully_reshardable"``/``"dp_reshardable"``/``"fully_sharded_model_space"``/
+    ``"dp_zero_gather_scatter"`` (distributed optimizer; the last two megatron-core <= 0.13's:
+    :mod:`~tenplex_megatron.formats.dist.model_space`, :mod:`~tenplex_megatron.formats.dist.dp_zero`),
+    ``"adam"`` (a
     non-distributed one: ``{"state": {"common_step"}, "param_groups"}``, megatron-core
     ``FP32Optimizer.sharded_state_dict``; over bf16/fp16 params the same under ``"optimizer"``,
     ``Float16OptimizerWithFloat16Params.sharded_state_dict``, whose ``fp32_from_fp16_params``
@@ -331,14 +333,14 @@ class FoundDist(NamedTuple):
         bytes_read: bytes read to describe it.
         refs: where each tensor item's data lies, ``{MetadataIndex: TensorRef}``.
         flat_refs: ``dp_zero_gather_scatter`` optimizer state, ``{(leaf path, t, p): TensorRef}``
-            (:mod:`~tenplex_megatron.formats.dist.dp_zero`); empty otherwise.
+            (:mod:`~tenplex_megatron.formats.dist.dp_zero`); None otherwise.
     """
 
     desc: Description
     md: Any
     bytes_read: int
     refs: dict
-    flat_refs: dict = {}
+    flat_refs: dict | None = None
 
 
 def describe_dist(path: str, model_config: dict | None = None, iteration: int | str | None = None

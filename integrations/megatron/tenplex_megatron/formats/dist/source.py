@@ -68,7 +68,7 @@ class DistSource(MegatronSource):
         self._chunk_lock = threading.Lock()
         self._chunks: dict[str, dict] = {}
         self._refs: dict[MetadataIndex, TensorRef] = found.refs
-        self._flat_refs: dict = found.flat_refs  # dp_zero_gather_scatter state: TensorRefs in its objects
+        self._flat_refs: dict = found.flat_refs or {}  # dp_zero_gather_scatter state: TensorRefs in its objects
 
     # -- where a local tensor lies ----------------------------------------------------
     def locate(self, path: str, coord: Coord) -> DcpRecord:
