@@ -40,10 +40,11 @@ def run(python: str, n: int, *extra: str, worker: str = "mcore_worker.py", model
     return torchrun(TESTS / worker, n, [*model.split(), *extra], timeout=400, python=python)
 
 
-def reshard(src, dst, to: str, fmt: str) -> None:
+def reshard(src, dst, to: str, fmt: str) -> str:
     done = subprocess.run(["tenplex", "reshard", str(src), str(dst), "--to", to, "--format", fmt],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    return done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,8 @@ def test_013_dp_zero_state_reshards_and_trains_on(saved, tmp_path):
     expected = losses(out)[2:]
     assert b"dp_group_idx_3.param_state" in (src / ".metadata").read_bytes()
     _shared_reads_as_opened(src)
-    reshard(src, tmp_path / "out", "dp=1,tp=1,pp=1", "megatron-dist")
+    said = reshard(src, tmp_path / "out", "dp=1,tp=1,pp=1", "megatron-dist")
+    assert "written fully_reshardable, which megatron-core 0.14 and later load" in said  # 0.13 cannot
     got = losses(run(sys.executable, 1, "--tp", "1", "--load", "dist", "--load-dir", str(tmp_path / "out"),
                      "--train-steps", "2"))
     assert len(expected) == len(got) == 2 and all(abs(e - g) <= 1e-6 for e, g in zip(expected, got)), \

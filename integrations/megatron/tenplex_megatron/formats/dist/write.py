@@ -184,6 +184,10 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
         values = TargetValues(build.values, cfg, to) if part is None else part_values(
             build, cfg, to, [r for r in mine if to.coord(r).dense_dp_first])
         values.notes.extend(source_notes(source))
+        if meta.get("optimizer") in ("fully_sharded_model_space", "dp_zero_gather_scatter"):
+            values.notes.append(f"optimizer: the source's {meta['optimizer']} state (megatron-core <= 0.13) is "
+                                "written fully_reshardable, which megatron-core 0.14 and later load; for 0.13 "
+                                "write --format megatron-legacy (distrib_optim.pt)")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
         rng_states = values.rng_states() if values.had_rng else {}
         if not values.had_rng:
