@@ -7,6 +7,7 @@ imports without declaring it), as docs/megatron.md says. Cached in the temp dire
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -36,3 +37,22 @@ def venv_python(version: str) -> str:
     done = subprocess.run(check, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return python
+
+
+_NAMED = """import json, pickle, sys
+seen = set()
+class Recorder(pickle.Unpickler):
+    def find_class(self, module, name):
+        seen.add((module, name))
+        return super().find_class(module, name)
+Recorder(open(sys.argv[1], "rb")).load()
+print(json.dumps(sorted(seen)))
+"""
+
+
+def globals_named(python: str, path) -> set[tuple[str, str]]:
+    """The globals the pickle at ``path`` names, unpickled by ``python`` (a file a test's own
+    megatron-core run just wrote, whose classes only that version has)."""
+    done = subprocess.run([python, "-c", _NAMED, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {tuple(g) for g in json.loads(done.stdout)}

@@ -4,7 +4,7 @@ DCP's ``.metadata`` file is a pickle (protocol 4), and DCP's own reader
 loads it with ``pickle.load``, which runs whatever the file names. tenplex
 interprets it with :mod:`tenplex_megatron.torchfiles.restricted_unpickler` under
 :data:`DCP_GLOBALS`: the exact ``(module, name)`` pairs of the records
-that torch 2.13's ``FileSystemWriter`` and megatron-core 0.13.1 to 0.19.2 write
+that torch 2.13's ``FileSystemWriter`` and megatron-core 0.13.1, 0.15.2, 0.16.1 and 0.19.2 write
 (found by unpickling real ``.metadata`` files), each created empty by
 ``NEWOBJ`` and given its fields once by ``BUILD``, plus ``torch.Size``,
 ``torch.serialization._get_layout``, two enums and the torch dtypes, each
@@ -46,7 +46,7 @@ from tenplex_megatron.torchfiles.safe_load import MAX_NDIM, TORCH_DTYPES, open_r
 __all__ = ["read_objects", "read_metadata", "read_checked", "DCP_GLOBALS"]
 
 _EXTRA = {Metadata: {"all_local_plans", "mcore_data"},  # set on Metadata by megatron-core; dropped
-          SavePlan: {"mcore_data"}}  # megatron-core <= 0.13's MCoreSavePlan; dropped
+          SavePlan: {"mcore_data"}}  # megatron-core 0.13 to 0.15's MCoreSavePlan; dropped
 _MEMORY_FORMATS = {MemoryFormat.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
                    MemoryFormat.TORCH_CHANNELS_LAST: torch.channels_last,
                    MemoryFormat.TORCH_PRESERVE_FORMAT: torch.preserve_format}
@@ -133,7 +133,9 @@ _RECORD_WHY = {
 DCP_GLOBALS = {(r.module, r.name): r for r in (
     *(Rule(*TORCH_NAMES[cls], new=_new_record(cls), reason=_RECORD_WHY[cls]) for cls in _RECORDS),
     Rule("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan", new=_new_record(SavePlan),
-         reason="megatron-core <= 0.13's all_local_plans entries (a SavePlan and its mcore_data; dropped)"),
+         reason="megatron-core 0.13 to 0.15's all_local_plans entries (a SavePlan and its mcore_data; dropped)"),
+    Rule("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata", new=_new_record(Metadata),
+         reason="megatron-core 0.15's root record (a Metadata and its mcore_data; dropped)"),
     Rule(*TORCH_NAMES[TensorProperties], new=_new_record(TensorProperties),
          reason="a tensor's dtype and layout (state is a 5-tuple)"),
     Rule(*TORCH_NAMES[MemoryFormat], reduce=_enum(MemoryFormat), reason="TensorProperties' memory format"),

@@ -140,8 +140,9 @@ def _globals_named(data: bytes) -> set:
     return seen
 
 
-OLDER = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")}
-"""Named by megatron-core <= 0.13's files only (formats/test_megatron_core_013.py checks them there)."""
+OLDER = {("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+         ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")}
+"""Named by megatron-core 0.13 to 0.15's files only (formats/test_megatron_core_013.py checks them there)."""
 
 
 def test_dcp_allow_list_is_exactly_what_real_metadata_names(real):
