@@ -23,6 +23,7 @@ One table, :func:`param_specs`, lists the model's parameters in Megatron's
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 from tenplex.errors import ConfigError
 from tenplex.ptree.config import ParallelConfig
@@ -428,13 +429,9 @@ def _grouped_order(specs: list[ParamSpec]) -> list[ParamSpec]:
     """``specs`` with each layer's experts in ``TEGroupedMLP`` order (see :func:`param_order`):
     the ``linear_fc1`` weights of the local experts by id, then the ``linear_fc2`` ones."""
     out: list[ParamSpec] = []
-    run: list[ParamSpec] = []  # one layer's experts, in SequentialMLP order
-    for s in specs + [None]:  # type: ignore[operator]
-        if s is None or s.expert is None or (run and run[0].layer != s.layer):
-            out.extend(sorted(run, key=lambda e: "/linear_fc2/" in e.path))  # stable: by id within each
-            run = []
-        if s is not None:
-            (out if s.expert is None else run).append(s)
+    for (expert, _), group in groupby(specs, key=lambda s: (s.expert is not None, s.layer)):
+        run = list(group)  # one layer's experts in SequentialMLP order, or other parameters
+        out += sorted(run, key=lambda e: "/linear_fc2/" in e.path) if expert else run  # stable: by id
     return out
 
 

@@ -16,14 +16,13 @@ loads and trains on: the next two losses equal those of the run that went on. On
 'fully_sharded_model_space' is not supported").
 """
 
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import mcore_venv
-from mcore_helpers import TESTS, losses, torchrun
+from mcore_helpers import TESTS, losses, tenplex, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -40,8 +39,7 @@ def run(python: str, n: int, *extra: str, worker: str = "mcore_worker.py", model
 
 
 def reshard(src, dst, to: str, fmt: str) -> str:
-    done = subprocess.run(["tenplex", "reshard", str(src), str(dst), "--to", to, "--format", fmt],
-                          capture_output=True, text=True, timeout=300)
+    done = tenplex("reshard", str(src), str(dst), "--to", to, "--format", fmt)
     assert done.returncode == 0, done.stderr
     return done.stderr
 

@@ -10,12 +10,10 @@ equal those of the run that went on. On f3d6c0e (before) every 0.15 checkpoint w
 allow-list".
 """
 
-import subprocess
-
 import pytest
 
 import mcore_venv
-from mcore_helpers import TESTS, losses, torchrun
+from mcore_helpers import TESTS, losses, tenplex, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -34,8 +32,7 @@ def test_015_checkpoint_reshards_and_trains_on(tmp_path):
     named = mcore_venv.globals_named(python, src / ".metadata")
     assert ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata") in named
     assert named <= set(DCP_GLOBALS)
-    done = subprocess.run(["tenplex", "reshard", str(src), str(tmp_path / "out"), "--to", "tp=1"],
-                          capture_output=True, text=True, timeout=300)
+    done = tenplex("reshard", str(src), str(tmp_path / "out"), "--to", "tp=1")
     assert done.returncode == 0, done.stderr
     got = losses(torchrun(TESTS / "mcore_worker.py", 1, [*MODEL.split(), "--tp", "1", "--load", "dist", "--load-dir",
                                                          str(tmp_path / "out"), "--train-steps", "2"], python=python))
