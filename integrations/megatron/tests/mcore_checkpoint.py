@@ -202,12 +202,25 @@ class CheckpointMixin:
             with tracker.fork(name):
                 torch.rand(1)
 
+    def rng_per_dp(self) -> bool:
+        """Whether Megatron-LM of this megatron-core version keys RNG states by dp rank too: core_v0.16.0
+        and 0.16.1 do at ep > 1 (Megatron-LM #2658, reverted by #3736 in 0.17.0)."""
+        import megatron.core
+
+        return self.a.ep > 1 and megatron.core.__version__.startswith("0.16.")
+
     def rng_object(self):
-        """Megatron-LM's ``get_rng_state(ckpt_format='torch_dist')``: a ShardedObject on the (pp, tp) grid."""
+        """Megatron-LM's ``get_rng_state(ckpt_format='torch_dist')``: a ShardedObject on the (pp, tp) grid,
+        replicated over the dp-cp ranks, or (:meth:`rng_per_dp`) on the (pp, tp, dp-cp) grid, one per rank."""
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+        dp_cp = self.ps.get_data_parallel_rank(with_context_parallel=True)
+        if self.rng_per_dp():
+            size = self.ps.get_data_parallel_world_size(with_context_parallel=True)
+            return ShardedObject("rng_state", self.rng_state(), (self.a.pp, self.a.tp, size),
+                                 (self.pp_rank, self.tp_rank, dp_cp), replica_id=0)
         return ShardedObject("rng_state", self.rng_state(), (self.a.pp, self.a.tp),
-                             (self.pp_rank, self.tp_rank), replica_id=self.dp_rank)
+                             (self.pp_rank, self.tp_rank), replica_id=dp_cp)
 
     # ------------------------------------------------------------------ dist format
     def sharded_sd_metadata(self):
@@ -241,9 +254,9 @@ class CheckpointMixin:
         sd["iteration"] = self.a.iteration
         if self.a.save_rng:
             sd["rng_state"] = self.rng_object()
-            if self.dp_rank == 0:
-                print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp=0 {rng_digest(self.rng_state()[0])}\n",
-                      end="", flush=True)
+            if self.dp_rank == 0 or self.rng_per_dp():
+                print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank} "
+                      f"{rng_digest(self.rng_state()[0])}\n", end="", flush=True)
         if self.a.dist_args == "on":
             sd["args"] = self.megatron_args()
             sd["checkpoint_version"] = 3.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tenplex.ptree.config import ParallelConfig
+from tenplex.ptree.config import Coord, ParallelConfig
 
 from tenplex_megatron.model import rng
 from tenplex_megatron.model.config import MegatronConfig, args_for
@@ -43,14 +43,31 @@ class TargetValues:
         self.had_rng = any(v is not None for v in stored.values()) if isinstance(stored, dict) else False
         self._rng = {k: from_jsonable(v) for k, v in stored.items()} if isinstance(stored, dict) else {}
 
-    def rng_states(self) -> dict[str, list]:
-        """``{"tp=T,pp=P": [rank states]}`` for every target coordinate; new ones derived from the seed."""
+    @property
+    def dp_random_init(self) -> bool:
+        """Megatron-LM's ``data_parallel_random_init`` (each dp rank's RNG state in every list)."""
+        return bool(getattr(self.args, "data_parallel_random_init", False))
+
+    def _expert_rank(self, tp_rank: int, pp_rank: int, dp_cp_rank: int) -> tuple[int, int]:
+        """``(ep, etp)`` of the target rank at (tp, pp, dp-cp rank ``dp * cp + cp``: megatron-core's
+        dp-cp group, cp inside dp)."""
+        cp = self.config.cp
+        c = self.config.coord(self.config.rank(Coord(dp_cp_rank // cp, tp_rank, pp_rank, dp_cp_rank % cp)))
+        return c.ep, c.etp
+
+    def rng_states(self, per_dp: bool = False) -> dict[str, list]:
+        """``{"tp=T,pp=P": [rank states]}`` for every target coordinate; new ones derived from the seed.
+
+        With ``per_dp`` each list holds every dp-cp rank's own state (for
+        :func:`~tenplex_megatron.formats.dist.keys.rng_objects`); otherwise one, which every dp rank
+        restores (or with :attr:`dp_random_init` one per dp rank)."""
         coords = [(t, p) for p in range(self.config.pp) for t in range(self.config.tp)]
         kept = {k: v for k, v in self._rng.items() if v is not None}
         states, notes = rng.fill_states(kept, coords, self.config.dp, seed=int(getattr(self.args, "seed", 1234)),
-                                        dp_random_init=bool(getattr(self.args, "data_parallel_random_init",
-                                                                    False)),
-                                        kind=rng.device_kind(list(kept.values())))
+                                        dp_random_init=self.dp_random_init,
+                                        kind=rng.device_kind(list(kept.values())),
+                                        per_rank=self.config.dp * self.config.cp if per_dp else 1,
+                                        expert_rank=self._expert_rank)
         self.notes.extend(n for n in notes if n not in self.notes)
         return states
 
@@ -77,3 +94,4 @@ class TargetValues:
         """``{"grad_scaler": state}`` when the source's optimizer had one (fp16), else ``{}``."""
         scaler = (self.optimizer or {}).get("grad_scaler")
         return {} if scaler is None else {"grad_scaler": scaler}
+

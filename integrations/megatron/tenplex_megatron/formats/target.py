@@ -269,12 +269,12 @@ class PartValues(TargetValues):
         self._stored = stored
         self.had_rng = any(v is not None for v in stored.values())
 
-    def rng_states(self) -> dict[str, list]:
+    def rng_states(self, per_dp: bool = False) -> dict[str, list]:
         """``{"tp=T,pp=P": [rank states]}`` for this part's coordinates only."""
         mine = self._rng
         self._rng = {k: mine[k] if k in mine else v for k, v in self._stored.items()}
         try:
-            states = super().rng_states()
+            states = super().rng_states(per_dp)
         finally:
             self._rng = mine
         return {k: v for k, v in states.items() if k in mine}

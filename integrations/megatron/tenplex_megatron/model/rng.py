@@ -1,7 +1,9 @@
 """Megatron RNG state: kept by coordinate, re-derived from the seed where a coordinate is new.
 
 Megatron keeps RNG state per (tp, pp) rank, as a list over dp ranks (one
-entry unless ``data_parallel_random_init``): Python's, NumPy's and torch's
+entry unless ``data_parallel_random_init``; one per dp-cp rank where megatron-core
+0.16's Megatron-LM keeps each rank's apart at ep > 1,
+:func:`tenplex_megatron.formats.dist.keys.rng_objects`): Python's, NumPy's and torch's
 CPU generator states, the device generator's (``cuda_rng_state``) and the
 tensor-parallel tracker's named device states (``rng_tracker_states``).
 tenplex keeps it **by coordinate**: a target rank whose (tp, pp) coordinate
@@ -82,8 +84,9 @@ def _first_device_state(obj: Any) -> torch.Tensor | None:
 
 
 def derive(seed: int, tp_rank: int, pp_rank: int, *, dp_rank: int = 0,
-           dp_random_init: bool = False, kind: str = "cuda") -> dict:
-    """One rank's RNG state for a fresh start at (``tp_rank``, ``pp_rank``, ``dp_rank``).
+           dp_random_init: bool = False, kind: str = "cuda", ep_rank: int = 0, etp_rank: int = 0) -> dict:
+    """One rank's RNG state for a fresh start at (``tp_rank``, ``pp_rank``, ``dp_rank``), whose
+    expert-grid coordinates are ``ep_rank`` and ``etp_rank``.
 
     Returns:
         ``{"random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state",
@@ -93,7 +96,7 @@ def derive(seed: int, tp_rank: int, pp_rank: int, *, dp_rank: int = 0,
     base = seed + 100 * pp_rank + (10 * dp_rank if dp_random_init else 0)
     tracker = {"data-parallel-rng": _device_state(base, kind),
                "model-parallel-rng": _device_state(base + 2718 + tp_rank, kind),
-               "expert-parallel-rng": _device_state(base + 1024, kind)}
+               "expert-parallel-rng": _device_state(base + 1024 + 100 * ep_rank + etp_rank, kind)}
     return {"random_rng_state": random.Random(base).getstate(),
             "np_rng_state": np.random.RandomState(base).get_state(),
             "torch_rng_state": torch.Generator().manual_seed(base).get_state(),
@@ -102,23 +105,28 @@ def derive(seed: int, tp_rank: int, pp_rank: int, *, dp_rank: int = 0,
 
 
 def fill_states(states: dict[str, Any], coords, dp: int, *, seed: int, dp_random_init: bool,
-                kind: str) -> tuple[dict[str, list], list[str]]:
+                kind: str, per_rank: int = 1, expert_rank=None) -> tuple[dict[str, list], list[str]]:
     """RNG state lists for every target coordinate, and notes on what was derived.
 
     Args:
-        states: ``{"tp=T,pp=P": list of rank states or None}`` for the target's
+        states: ``{"tp=T,pp=P": list of states by dp(-cp) rank, or None}`` for the target's
             coordinates (None where the coordinate is new).
         coords: the target's ``(tp_rank, pp_rank)`` coordinates.
         dp: the target's dp (the list length with ``dp_random_init``).
         seed: ``args.seed``.
         dp_random_init: Megatron-LM's ``data_parallel_random_init``.
         kind: the device generator kind (:func:`device_kind`).
+        per_rank: the list length without ``dp_random_init``: 1 (every dp rank restores one
+            state), or the dp-cp size where each rank keeps its own (megatron-core 0.16's
+            Megatron-LM at ep > 1: :func:`tenplex_megatron.formats.dist.keys.rng_objects`).
+        expert_rank: ``expert_rank(tp_rank, pp_rank, dp-cp rank) -> (ep_rank, etp_rank)`` on the
+            target's expert grid (the expert stream of a derived state); default (0, 0).
 
     Returns:
         ``({"tp=T,pp=P": [state, ...]}, notes)``.
     """
     out, notes = {}, []
-    length = dp if dp_random_init else 1
+    length = dp if dp_random_init else per_rank
     if not any(states.values()):
         notes.append(f"rng: the source stores no RNG state; every rank's state is derived from seed {seed}")
     for t, p in coords:
@@ -129,7 +137,10 @@ def fill_states(states: dict[str, Any], coords, dp: int, *, seed: int, dp_random
         elif kept and len(kept) != length:
             notes.append(f"rng: {key} held {len(kept)} dp states, the target needs {length}; "
                          f"{'missing ones derived' if len(kept) < length else 'extra ones dropped'}")
-        full = kept[:length] + [derive(seed, t, p, dp_rank=d, dp_random_init=dp_random_init, kind=kind)
-                                for d in range(len(kept), length)]
+        full = kept[:length]
+        for d in range(len(full), length):
+            ep_rank, etp_rank = expert_rank(t, p, d) if expert_rank else (0, 0)
+            full.append(derive(seed, t, p, dp_rank=d, dp_random_init=dp_random_init, kind=kind,
+                               ep_rank=ep_rank, etp_rank=etp_rank))
         out[key] = full
     return out, notes

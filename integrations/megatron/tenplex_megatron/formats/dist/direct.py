@@ -26,7 +26,7 @@ from tenplex.ptree.region import Box
 from tenplex.transform.plan import PaddingChange
 
 from tenplex_megatron.formats.common import TargetValues
-from tenplex_megatron.formats.dist.keys import COMMON_STATE, RNG_KEY, optimizer_prefix, optimizer_states, rng_key
+from tenplex_megatron.formats.dist.keys import COMMON_STATE, RNG_KEY, optimizer_prefix, optimizer_states, rng_objects
 from tenplex_megatron.formats.dist.dp_zero import DP_ZERO
 from tenplex_megatron.formats.dist.model_space import MODEL_SPACE
 from tenplex_megatron.formats.dist.read import read_common
@@ -79,10 +79,11 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
             if key in vocab and new > old and isinstance(item, TensorStorageMetadata):
                 _zero_rows(writer, key, item, old, new)
         if values.had_rng:
-            states = values.rng_states()
+            states = values.rng_states(per_dp=to.ep > 1)
             for p in range(to.pp):
                 for t in range(to.tp):
-                    writer.object(rng_key(t, p, to.tp, to.pp), [states[f"tp={t},pp={p}"]])
+                    for key, data in rng_objects(states[f"tp={t},pp={p}"], t, p, to, values.dp_random_init):
+                        writer.object(key, [data])
         writer.finish()
         commit_dir(tmp, dst, _common(source, values), values.iteration)
     except BaseException:

@@ -11,7 +11,7 @@ model-parallel rank and bucket (``dp_reshardable``,
 ``ShardedObject`` s, stored under ``<key>/shard_<offset>_<shape>``
 (``dist_checkpointing/mapping.py::ShardedObject.unique_key``):
 ``<linear>._extra_state/shard_<layer>_<L>`` (:func:`extra_state_objects`), Megatron-LM's
-``rng_state/shard_<pp>.<tp>_<PP>.<TP>`` and the ``dp_reshardable``
+``rng_state/shard_<pp>.<tp>[.<dp>]_<PP>.<TP>[.<DP>]`` (:func:`rng_objects`) and the ``dp_reshardable``
 bookkeeping objects.
 """
 
@@ -30,7 +30,7 @@ from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.model.layouts import NAMES, OPTIMIZER_STATES, ParamSpec, extra_state_keys, param_specs
 
 __all__ = ["COMMON_STATE", "dist_names", "is_dist", "expected_tensors", "classify", "flat_key", "object_key", "rng_key", "RNG_KEY", "FLAT_KEY",
-           "optimizer_prefix", "optimizer_states", "chain_prefix",
+           "optimizer_prefix", "optimizer_states", "chain_prefix", "rng_objects",
            "EXTRA_KEY", "OBJECT_KEY", "DP_OBJECTS", "extra_state_objects",
            "known_extra_state", "dist_key"]
 
@@ -39,7 +39,8 @@ FLAT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_
 OBJECT_KEY = re.compile(r"(?:chained_[01]\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
 EXTRA_KEY = re.compile(r"(.+)\._extra_state/shard_(\d+)(?:\.(\d+))?_(\d+)(?:\.(\d+))?$")
 """``<module>._extra_state/shard_<layer>[.<expert>]_<L>[.<E>]`` (experts stacked on a second axis)."""
-RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")
+RNG_KEY = re.compile(r"rng_state/shard_(\d+)\.(\d+)(?:\.(\d+))?_(\d+)\.(\d+)(?:\.(\d+))?$")
+"""``rng_state/shard_<pp>.<tp>_<PP>.<TP>``, or ``shard_<pp>.<tp>.<dp>_<PP>.<TP>.<DP>`` (:func:`rng_key`)."""
 DP_OBJECTS = ("optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
 COMMON_STATE = "common_state/shard_0_1"
 """megatron-core 0.19's common state: ``ShardedObject("common_state", [common dict], (1,), (0,))``
@@ -89,9 +90,32 @@ def object_key(m: int, name: str) -> str:
     return f"optimizer.distributed.dp_group_idx_{m}.{name}/shard_0_1"
 
 
-def rng_key(tp_rank: int, pp_rank: int, tp: int, pp: int) -> str:
-    """Megatron-LM's ``ShardedObject('rng_state', ..., (pp, tp), (pp_rank, tp_rank))`` key."""
-    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+def rng_key(tp_rank: int, pp_rank: int, tp: int, pp: int, dp_rank: int | None = None, dp: int = 1) -> str:
+    """Megatron-LM's ``ShardedObject('rng_state', ..., (pp, tp), (pp_rank, tp_rank))`` key, or with
+    ``dp_rank`` its ``(pp, tp, dp)`` grid's (``dp`` = the dp-cp group's size; see :func:`rng_objects`)."""
+    if dp_rank is None:
+        return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+    return f"rng_state/shard_{pp_rank}.{tp_rank}.{dp_rank}_{pp}.{tp}.{dp}"
+
+
+def rng_objects(states: list, t: int, p: int, to, dp_random_init: bool) -> list[tuple[str, list]]:
+    """The ``(key, rng_state_list)`` objects of coordinate (``t``, ``p``) in a ``torch_dist`` target at ``to``.
+
+    ``states`` is the coordinate's state by dp-cp rank (``TargetValues.rng_states(per_dp=...)``).
+    Megatron-LM's ``get_rng_state`` shards RNG state on the (pp, tp) grid, replicated over the
+    dp-cp ranks, except core_v0.16.0 and 0.16.1 at ep > 1: there on the (pp, tp, dp-cp) grid, one
+    object per rank (#2658; 0.17.0 reverted it, #3736; Megatron-Bridge keeps it). Each version
+    loads only its own form, and ignores keys it does not ask for (the default
+    ``--dist-ckpt-strictness assume_ok_unexpected``), so at ep > 1 both are written: dp-cp rank 0's
+    state under the (pp, tp) key, and each rank's under its (pp, tp, dp) key. A rank's
+    ``rng_state_list`` is ``[its state]``, or with ``data_parallel_random_init`` every dp rank's.
+    """
+    own = (lambda d: states) if dp_random_init else (lambda d: [states[d]])
+    out = [(rng_key(t, p, to.tp, to.pp), own(0))]
+    if to.ep > 1:
+        size = to.dp * to.cp
+        out += [(rng_key(t, p, to.tp, to.pp, d, size), own(d)) for d in range(size)]
+    return out
 
 
 def dist_key(cfg: MegatronConfig, spec: ParamSpec, names: str = "local"

@@ -244,14 +244,30 @@ def _check_object(key, kind, cfg, config, where, optim=None) -> None:
     if kind == "extra_state":
         ok = known_extra_state(cfg, key)
     elif kind == "rng":
-        p, t, pp, tp = map(int, RNG_KEY.match(key).groups())
-        ok = (pp, tp) == (config.pp, config.tp) and p < pp and t < tp
+        p, t, d, pp, tp, dp = (None if g is None else int(g) for g in RNG_KEY.match(key).groups())
+        ok = (pp, tp) == (config.pp, config.tp) and p < pp and t < tp and (d is None) == (dp is None) \
+            and (d is None or (dp == config.dp * config.cp and d < dp))
     elif kind == "dp_object":
         m, name = OBJECT_KEY.match(key).groups()
         ok = int(m) < config.world_size and (name in DP_OBJECTS or (name == "param_state" and optim == DP_ZERO))
     if not ok:
         raise ManifestError(f"{where}: object {key} does not fit the model (num_layers="
-                            f"{cfg.num_layers}, tp={config.tp}, pp={config.pp})")
+                            f"{cfg.num_layers}, tp={config.tp}, pp={config.pp}, dp*cp={config.dp * config.cp})")
+
+
+def _check_rng_ranks(md, config, where: str) -> None:
+    """A coordinate's RNG states on the (pp, tp, dp) grid (:func:`~tenplex_megatron.formats.dist.keys.rng_objects`)
+    are there for every dp-cp rank, or the coordinate is refused (the ranks without one could not load).
+
+    Raises:
+        ManifestError: naming the coordinate and the dp-cp ranks it lacks.
+    """
+    for coord, keys in rng_coords(md).items():
+        ranks = [int(RNG_KEY.match(k).group(3)) for k in keys if RNG_KEY.match(k).group(3) is not None]
+        missing = sorted(set(range(config.dp * config.cp)) - set(ranks))
+        if ranks and missing:
+            raise ManifestError(f"{where}: RNG state of {coord} is stored per dp-cp rank (rng_state/shard_"
+                                f"<pp>.<tp>.<dp>_...) but not for dp-cp ranks {missing[:8]}")
 
 
 def _adam_body(optimizer: dict, params_dtype: str, root: str) -> dict:
@@ -314,14 +330,20 @@ def _dp_groups(cfg, config, root, md) -> tuple[list, list | None]:
     return out[0], (out[1] if len(out) > 1 else None)
 
 
-def rng_coords(md) -> dict[str, str]:
-    """``{"tp=T,pp=P": DCP key}`` of the stored RNG states."""
-    out = {}
+def rng_coords(md) -> dict[str, list[str]]:
+    """``{"tp=T,pp=P": [DCP key, ...]}`` of the stored RNG states: the coordinate's keys on the
+    (pp, tp, dp) grid by dp-cp rank where it has any (megatron-core 0.16's Megatron-LM at ep > 1;
+    :func:`~tenplex_megatron.formats.dist.keys.rng_objects`), else its one (pp, tp) key."""
+    plain, ranked = {}, {}
     for key in md.state_dict_metadata:
         m = RNG_KEY.match(key)
         if m:
-            out[f"tp={int(m.group(2))},pp={int(m.group(1))}"] = key
-    return out
+            coord = f"tp={int(m.group(2))},pp={int(m.group(1))}"
+            if m.group(3) is None:
+                plain[coord] = [key]
+            else:
+                ranked.setdefault(coord, []).append((int(m.group(3)), key))
+    return {**plain, **{c: [k for _, k in sorted(found)] for c, found in ranked.items()}}
 
 
 class FoundDist(NamedTuple):
@@ -394,6 +416,7 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     prefixed = optim == MODEL_SPACE and chained(cfg, config) and \
         any(k.startswith("chained_") for k in md.state_dict_metadata)
     dtypes = _check_keys(cfg, sharding, md, optim, None, root, names, prefixed)
+    _check_rng_ranks(md, config, root)
     nbytes = sum(os.path.getsize(os.path.join(root, f)) for f in (".metadata", "common.pt")
                  if os.path.exists(os.path.join(root, f)))
     unknown = sorted(set(optimizer) - {"optimizer", "param_state_sharding_type", "grad_scaler"}

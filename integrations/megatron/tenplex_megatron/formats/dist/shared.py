@@ -25,7 +25,7 @@ from math import prod
 from typing import Any
 
 from tenplex.errors import CorruptShardError, ManifestError
-from tenplex.limits import short
+from tenplex.limits import MAX_WORLD, short
 from tenplex.ptree.region import Box, intersect
 from tenplex.store.paths import open_regular, resolve_inside
 
@@ -51,11 +51,13 @@ def share_dist(source: DistSource) -> dict:
                 chunks.append([key, list(c.offsets), ref_json(ref, root)])
             sizes[key] = list(item.size)
     rng = {}
-    for coord, fqn in sorted(rng_coords(md).items()):
-        info = md.storage_data[MetadataIndex(fqn)]
-        path, _ = item_file(root, info.relative_path)
-        files.add(path)
-        rng[coord] = [fqn, info.relative_path, info.offset, info.length]
+    for coord, fqns in sorted(rng_coords(md).items()):
+        rng[coord] = []
+        for fqn in fqns:
+            info = md.storage_data[MetadataIndex(fqn)]
+            path, _ = item_file(root, info.relative_path)
+            files.add(path)
+            rng[coord].append([fqn, info.relative_path, info.offset, info.length])
     flat = []  # dp_zero_gather_scatter state: each leaf's place in its object's pickle
     for (path, t, p), ref in sorted(source._flat_refs.items()):
         files.add(ref.file)
@@ -78,34 +80,39 @@ class SharedDistSource(DistSource):
             raise ManifestError(f"{self.root}: the source description from process 0 has no tensor item {key}")
         return boxes
 
-    def rng_object(self, key: str) -> tuple[str, Any] | None:
-        if key not in self.rng:
-            return None
-        fqn, path, offset, length = self.rng[key]
-        f, _ = open_regular(path, path)
-        with f:
-            f.seek(offset)
-            data = f.read(length)
-        self.count(len(data))
-        if len(data) != length:
-            raise CorruptShardError(f"{path} [{fqn}]: read {len(data)} of {length} bytes")
-        return fqn, safe_load(io.BytesIO(data), f"{path} [{fqn}]")
+    def rng_objects(self, key: str) -> list[tuple[str, Any]]:
+        out = []
+        for fqn, path, offset, length in self.rng.get(key, []):
+            f, _ = open_regular(path, path)
+            with f:
+                f.seek(offset)
+                data = f.read(length)
+            self.count(len(data))
+            if len(data) != length:
+                raise CorruptShardError(f"{path} [{fqn}]: read {len(data)} of {length} bytes")
+            out.append((fqn, safe_load(io.BytesIO(data), f"{path} [{fqn}]")))
+        return out
 
     def check_objects(self) -> None:
         """Checked by process 0, which read them; this process reads no byte object."""
 
 
-def _rng(shared: dict, root: str, sizes: dict[str, int], what: str) -> dict[str, tuple]:
-    """``{"tp=T,pp=P": (DCP key, path, offset, length)}``, each range inside its shared file."""
+def _rng(shared: dict, root: str, sizes: dict[str, int], what: str) -> dict[str, list[tuple]]:
+    """``{"tp=T,pp=P": [(DCP key, path, offset, length), ...]}``, each range inside its shared file."""
     out = {}
-    for coord, item in field(shared, "rng", dict, what).items():
-        if not isinstance(item, list) or len(item) != 4 or not isinstance(item[0], str) or \
-                item[1] not in sizes or not all(type(n) is int and n >= 0 for n in item[2:]) or \
-                item[2] + item[3] > sizes[item[1]] or item[3] > MAX_OBJECT_BYTES:
-            raise ManifestError(f"{what}: RNG state {short(coord, 40)} is {short(item, 120)}; expected "
-                                f"[key, shared file, offset, length] inside the file, at most "
-                                f"{MAX_OBJECT_BYTES} bytes")
-        out[coord] = (item[0], os.path.join(root, item[1]), item[2], item[3])
+    for coord, items in field(shared, "rng", dict, what).items():
+        if not isinstance(items, list) or not 0 < len(items) <= MAX_WORLD:
+            raise ManifestError(f"{what}: RNG state {short(coord, 40)} is {short(items, 120)}; expected a "
+                                f"list of 1 to {MAX_WORLD} objects")
+        out[coord] = []
+        for item in items:
+            if not isinstance(item, list) or len(item) != 4 or not isinstance(item[0], str) or \
+                    item[1] not in sizes or not all(type(n) is int and n >= 0 for n in item[2:]) or \
+                    item[2] + item[3] > sizes[item[1]] or item[3] > MAX_OBJECT_BYTES:
+                raise ManifestError(f"{what}: RNG state {short(coord, 40)} is {short(item, 120)}; expected "
+                                    f"[key, shared file, offset, length] inside the file, at most "
+                                    f"{MAX_OBJECT_BYTES} bytes")
+            out[coord].append((item[0], os.path.join(root, item[1]), item[2], item[3]))
     return out
 
 

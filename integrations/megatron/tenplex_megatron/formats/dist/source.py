@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tenplex.errors import ManifestError
+from tenplex.limits import short
 from tenplex.ptree.config import Coord
 from tenplex.ptree.region import Box, flat_start, intersect, is_contiguous, relative, to_slices
 from tenplex.ptree.sharding import Piece
@@ -186,25 +187,41 @@ class DistSource(MegatronSource):
         return tensor
 
     # -- values and checks ------------------------------------------------------------
-    def rng_object(self, key: str) -> tuple[str, Any] | None:
-        """The DCP key and the unpickled byte object of the RNG state ``key`` (``"tp=T,pp=P"``), or None."""
-        fqn = rng_coords(self.md).get(key)
-        if fqn is None:
-            return None
-        obj = read_objects(self.root, self.md, fqn).get(fqn)
-        self.count(self.md.storage_data[MetadataIndex(fqn)].length)
-        return fqn, obj
+    def rng_objects(self, key: str) -> list[tuple[str, Any]]:
+        """The DCP keys and unpickled byte objects of the RNG state ``key`` (``"tp=T,pp=P"``), in
+        :func:`~tenplex_megatron.formats.dist.read.rng_coords` order; ``[]`` where none is stored."""
+        out = []
+        for fqn in rng_coords(self.md).get(key, []):
+            out.append((fqn, read_objects(self.root, self.md, fqn).get(fqn)))
+            self.count(self.md.storage_data[MetadataIndex(fqn)].length)
+        return out
 
     def read_value(self, path: str, key: str) -> Any:
-        if path == "megatron/rng_state":
-            found = self.rng_object(key)
-            if found is None:
-                return None
-            fqn, obj = found
-            if not isinstance(obj, list) or len(obj) != 1:
-                raise ManifestError(f"{self.root}: {fqn} holds {type(obj).__name__}; expected [rng states]")
-            return to_jsonable(obj[0], f"{self.root}: {fqn}")
-        return super().read_value(path, key)
+        """A value leaf; for ``megatron/rng_state`` the coordinate's states by dp-cp rank: its one
+        ``rng_state_list`` (every dp rank restores entry 0, or with ``data_parallel_random_init``
+        entry dp rank), or, stored per rank (:func:`~tenplex_megatron.formats.dist.keys.rng_objects`),
+        each rank's own state in rank order.
+
+        Raises:
+            ManifestError: an RNG object is not ``[rng_state_list]`` with a non-empty list, or the
+                per-rank lists neither hold one state each nor are all alike in length.
+        """
+        if path != "megatron/rng_state":
+            return super().read_value(path, key)
+        lists = []
+        for fqn, obj in self.rng_objects(key):
+            if not isinstance(obj, list) or len(obj) != 1 or not isinstance(obj[0], list) or not obj[0]:
+                raise ManifestError(f"{self.root}: {fqn} holds {short(obj, 80)}; expected [rng states]")
+            lists.append((fqn, obj[0]))
+        if not lists:
+            return None
+        if len(lists) > 1 and all(len(states) == 1 for _, states in lists):
+            return to_jsonable([states[0] for _, states in lists], f"{self.root}: {lists[0][0]}")
+        for fqn, states in lists[1:]:  # data_parallel_random_init: every rank holds every dp rank's
+            if len(states) != len(lists[0][1]):
+                raise ManifestError(f"{self.root}: {fqn} holds {len(states)} RNG states, {lists[0][0]} "
+                                    f"{len(lists[0][1])}; expected one each or all alike")
+        return to_jsonable(lists[0][1], f"{self.root}: {lists[0][0]}")
 
     def check_objects(self) -> None:
         """Extra states must be empty (``[None]``) and ``dp_reshardable`` bucket sizes the layout's.

@@ -38,7 +38,7 @@ from tenplex_megatron.formats.parts import commit_parts, part_folder, part_ranks
 from tenplex_megatron.model.config import MegatronConfig
 from tenplex_megatron.formats.dist.buffers import chained, optimizer_buffers
 from tenplex_megatron.formats.dist.keys import (dist_key, extra_state_objects, optimizer_prefix, optimizer_states,
-                                                rng_key)
+                                                rng_objects)
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.model.flatbuf import buffer_dtypes, dtype_key, flat_buffers
 from tenplex_megatron.model.layouts import OPTIMIZER_STATES, check_names, spec_of
@@ -189,7 +189,7 @@ def write_dist(source, path: str, to: ParallelConfig, threads: int = 8, progress
                                 "written fully_reshardable, which megatron-core 0.14 and later load; for 0.13 "
                                 "write --format megatron-legacy (distrib_optim.pt)")
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
-        rng_states = values.rng_states() if values.had_rng else {}
+        rng_states = values.rng_states(per_dp=to.ep > 1) if values.had_rng else {}
         if not values.had_rng:
             values.notes.append("rng: the source stores no RNG state; none is written")
         tmp = temp_dir(path, values.iteration) if part is None else part_folder(path, values.iteration,
@@ -272,8 +272,10 @@ def _write_group(build, cfg, writer: DcpWriter, tmp: str, group, optim, names, d
             c = to.coord(rank)
             if c.dense_dp_first and c.tp == 0 and c.ep == 0:
                 _write_extra_states(cfg, to, sub, c.pp, names)
-            if c.dense_dp_first and rng_states:
-                sub.object(rng_key(c.tp, c.pp, to.tp, to.pp), [rng_states[f"tp={c.tp},pp={c.pp}"]])
+            if c.dense_dp_first and rng_states:  # this (tp, pp)'s objects, per dp-cp rank too at ep > 1
+                for key, data in rng_objects(rng_states[f"tp={c.tp},pp={c.pp}"], c.tp, c.pp, to,
+                                             values.dp_random_init):
+                    sub.object(key, [data])
     finally:
         for sub in subs.values():
             sub.close()
