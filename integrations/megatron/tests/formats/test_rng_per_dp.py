@@ -129,3 +129,20 @@ def test_megatron_core_019_loads_the_same_output_by_its_own_grid(source, tmp_pat
     got = torchrun(WORKER, 2, [*FLAGS.split(), *MODEL.split(), "--load", "dist", "--load-dir", str(out),
                                "--load-rng"], python=venv_python("0.19.2"))
     assert rng_by_rank(got) == {(0, 0, 0): saved[(0, 0, 0)], (0, 0, 1): saved[(0, 0, 0)]}, got
+
+
+def test_growing_to_experts_writes_the_grid_that_0_16_loads(tmp_path):
+    """A 0.16.1 save without experts (the (pp, tp) grid) resharded to ep 2: 0.16.1 at ep 2 asks for
+    the per-rank objects (on 30f0678 only the (pp, tp) one was written, and the load failed); dp-cp
+    rank 0 restores the saved state, rank 1 one derived with its expert stream (ep rank 1)."""
+    d = tmp_path / "src"
+    out = run_moe(2, "--ep 1 --dist-opt", "--train-steps", "2", "--save", "dist", "--save-dir", str(d / "dist"),
+                  "--save-rng", "--fully-parallel-save", "--logits-out", str(d / "ref.pt"), "--train-after-save", "2")
+    saved, static = rng_by_rank(out), losses(out)
+    assert set(saved) == {(0, 0, 0)} and b"rng_state/shard_0.0_1.1" in (d / "dist" / ".metadata").read_bytes()
+    stderr = _reshard(d / "dist", tmp_path / "out", "dp=2,ep=2")
+    assert "rng: tp=0,pp=0 held 1 dp states, the target needs 2; missing ones derived" in stderr
+    got = run_moe(2, FLAGS, "--load", "dist", "--load-dir", str(tmp_path / "out"), "--load-rng", "--train-steps", "2")
+    assert rng_by_rank(got) == {(0, 0, 0): saved[(0, 0, 0)],
+                                (0, 0, 1): rng_digest(derive(1234, 0, 0, kind="cpu", ep_rank=1))}, got
+    assert max(abs(a - b) for a, b in zip(losses(got), static[2:])) <= 1e-6, (losses(got), static)
