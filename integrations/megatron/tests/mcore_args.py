@@ -51,6 +51,9 @@ def _action_flags(add) -> None:
     add("--save", choices=["none", "legacy", "dist", "both"], default="none")
     add("--save-dir", default=None)
     add("--dist-args", choices=["on", "off"], default="on", help="args in a dist checkpoint's common.pt")
+    add("--args-vocab", choices=["on", "off"], default="on",
+        help="off: the args hold padded_vocab_size only, as Megatron-LM writes them with a tokenizer "
+             "other than the NullTokenizer (GPT2BPETokenizer here)")
     add("--save-rng", action="store_true", help="dist saves: the rng_state ShardedObject as Megatron-LM of this megatron-core version makes it")
     add("--fully-parallel-save", action="store_true",
         help="dist saves: Megatron-LM's default --ckpt-fully-parallel-save (the dp-cp ranks share the writing)")

@@ -25,7 +25,7 @@ from tenplex.transform.planner import make_plan
 
 from tenplex_megatron.formats.common import TargetValues
 from tenplex_megatron.formats.siblings import SiblingLeaves, Stopped
-from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.config import MegatronConfig, check_target_vocab
 from tenplex_megatron.model.layouts import check_attention_tp
 from tenplex_megatron.torchfiles.jsonable import from_jsonable
 from tenplex_megatron.torchfiles.ptfile import TensorRef
@@ -90,6 +90,7 @@ class TargetBuilder:
         self.plan = make_plan(self.tree, source.config, to,  # validates the tree at ``to`` first
                               src_sharding=source.sharding)
         check_attention_tp(megatron_meta(source)[0], to.tp)
+        check_target_vocab(megatron_meta(source)[0], to.tp)
         self.runner = StorePlanRunner(source, self.plan, self.threads)
         self.siblings = SiblingLeaves(self.runner, to)
         self._values = None

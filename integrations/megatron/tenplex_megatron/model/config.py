@@ -19,7 +19,7 @@ from tenplex.limits import short
 
 from tenplex_megatron.model.limits import check_fields
 
-__all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args", "stage_layers",
+__all__ = ["MegatronConfig", "padded_vocab_size", "check_target_vocab", "args_to_json", "json_to_args", "stage_layers",
            "uneven_args", "args_for", "check_vocab"]
 
 
@@ -39,8 +39,14 @@ class MegatronConfig:
         num_query_groups: key/value groups (``num_attention_heads`` without GQA).
         kv_channels: per-head size (default ``hidden_size // num_attention_heads``).
         swiglu: SwiGLU MLP (fc1 is ``[gate; up]``).
-        vocab_size: the logical (tokenizer) vocabulary size.
+        vocab_size: the logical (tokenizer) vocabulary size, or, with ``vocab_padded_from``, the
+            padded size the args held.
         make_vocab_size_divisible_by: Megatron's padding base.
+        vocab_padded_from: None, or the padding multiple ``M`` (``make_vocab_size_divisible_by * tp``
+            at the saver's tp) when the args held only ``padded_vocab_size`` (Megatron-LM sets
+            ``vocab_size`` for the NullTokenizer only): the tokenizer's size is then one of
+            ``vocab_size - M + 1 .. vocab_size``, and a target tp whose padding depends on which
+            is refused (:func:`check_target_vocab`).
         untie_embeddings_and_output_weights: separate output layer.
         position_embedding_type: ``"learned_absolute"`` or ``"rope"``.
         max_position_embeddings: rows of the learned position table.
@@ -92,6 +98,7 @@ class MegatronConfig:
     moe_layer_freq: int | tuple = 1
     moe_grouped_gemm: bool = False
     transformer_impl: str = "local"
+    vocab_padded_from: int | None = None
 
     def __getstate__(self) -> dict:
         """The fields only: what is derived from the config (:mod:`tenplex_megatron.model.derived`) stays behind."""
@@ -175,6 +182,7 @@ class MegatronConfig:
         if args is None:
             return cls.from_json(overrides)
         a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+        padded_from = None
         for flag in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
             if a.get(flag):
                 raise ConfigError(f"Megatron args: {flag}=True (each grouped linear's experts in one stacked "
@@ -183,12 +191,17 @@ class MegatronConfig:
         if "vocab_size" in overrides:
             a = {**a, "vocab_size": overrides["vocab_size"]}
         if not a.get("vocab_size"):
-            raise ConfigError(f"Megatron args have padded_vocab_size={a.get('padded_vocab_size')} "
-                              "but no vocab_size; pass the tokenizer's vocabulary size with "
-                              "--model-config (a JSON file such as {\"vocab_size\": 50257})")
+            padded, tp = a.get("padded_vocab_size"), a.get("tensor_model_parallel_size")
+            if not padded or not tp:
+                raise ConfigError(f"Megatron args have padded_vocab_size={padded}, tensor_model_parallel_size="
+                                  f"{tp} and no vocab_size; pass the tokenizer's vocabulary size with "
+                                  "--model-config (a JSON file such as {\"vocab_size\": 50257})")
+            a = {**a, "vocab_size": padded}  # the padded rows stand for the tokenizer's (check_target_vocab)
+            padded_from = int(a.get("make_vocab_size_divisible_by", 128)) * int(tp)
         try:
             return cls._from_args(a).with_overrides(
-                {k: v for k, v in overrides.items() if k != "vocab_size"})
+                {**{k: v for k, v in overrides.items() if k != "vocab_size"},
+                 **({"vocab_padded_from": padded_from} if padded_from else {})})
         except KeyError as exc:
             raise ConfigError(f"Megatron args lack {exc.args[0]!r}; pass an explicit model config") from None
 
@@ -257,7 +270,7 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 _OMITTED_DEFAULTS = {"transformer_impl": "local", "num_moe_experts": None, "moe_ffn_hidden_size": None,
                  "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
-                 "moe_layer_freq": 1, "moe_grouped_gemm": False}
+                 "moe_layer_freq": 1, "moe_grouped_gemm": False, "vocab_padded_from": None}
 """Fields left out of :meth:`MegatronConfig.to_json` at these values (a dense local-spec model's)."""
 
 
@@ -404,6 +417,30 @@ def pipeline_args(config: Any) -> dict:
             "num_layers_per_virtual_pipeline_stage": None, "pipeline_model_parallel_layout": None,
             "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
             **uneven_args(config.stage_layers)}
+
+
+def check_target_vocab(cfg: MegatronConfig, tp: int) -> None:
+    """A target ``tp``'s padded vocabulary must not depend on the tokenizer's size the args did not give.
+
+    With :attr:`MegatronConfig.vocab_padded_from` ``M``, the tokenizer's size ``v`` is one of
+    ``vocab_size - M + 1 .. vocab_size``; Megatron-LM at ``tp`` pads ``v`` to a multiple of
+    ``make_vocab_size_divisible_by * tp`` (:func:`padded_vocab_size`). Where every such ``v`` pads alike
+    (any tp that is a multiple of the saver's; any change of pp, dp, ep) that padding is the target's;
+    otherwise the target's rows would be a guess.
+
+    Raises:
+        ConfigError: naming both paddings and asking for the tokenizer's size.
+    """
+    if not cfg.vocab_padded_from:
+        return
+    low, high = (padded_vocab_size(v, cfg.make_vocab_size_divisible_by, tp)
+                 for v in (cfg.vocab_size - cfg.vocab_padded_from + 1, cfg.vocab_size))
+    if low != high:
+        raise ConfigError(f"the args hold padded_vocab_size={cfg.vocab_size} and no vocab_size: the tokenizer's "
+                          f"{cfg.vocab_size - cfg.vocab_padded_from + 1}..{cfg.vocab_size} tokens pad to {low} to "
+                          f"{high} rows at tp={tp} (make_vocab_size_divisible_by="
+                          f"{cfg.make_vocab_size_divisible_by}), depending on which; pass the tokenizer's "
+                          "vocabulary size with --model-config (a JSON file such as {\"vocab_size\": 50257})")
 
 
 def check_vocab(cfg: MegatronConfig, args: Any, tp: int, rows: int | None, where: str) -> None:

@@ -30,6 +30,7 @@ ARG_LIMITS: dict[str, int] = {
     "num_layers": MAX_LAYERS, "num_experts": MAX_EXPERTS, "num_moe_experts": MAX_EXPERTS,
     "num_attention_heads": MAX_HEADS, "num_query_groups": MAX_HEADS,
     "vocab_size": MAX_VOCAB, "padded_vocab_size": MAX_VOCAB, "make_vocab_size_divisible_by": MAX_VOCAB,
+    "vocab_padded_from": MAX_VOCAB,
     "hidden_size": MAX_HIDDEN, "ffn_hidden_size": MAX_HIDDEN, "kv_channels": MAX_HIDDEN,
     "moe_ffn_hidden_size": MAX_HIDDEN, "moe_shared_expert_intermediate_size": MAX_HIDDEN,
     "max_position_embeddings": MAX_HIDDEN * 64, "seq_length": MAX_HIDDEN * 64,

@@ -8,7 +8,7 @@ import torch
 
 from tenplex.errors import ConfigError, CorruptShardError, ManifestError
 from tenplex.ptree.config import ParallelConfig
-from tenplex_megatron.model.config import MegatronConfig, stage_layers, uneven_args
+from tenplex_megatron.model.config import MegatronConfig, check_target_vocab, stage_layers, uneven_args
 from tenplex_megatron.torchfiles.jsonable import from_jsonable, to_jsonable
 from tenplex_megatron.model.layouts import check_attention_tp, megatron_tree, param_specs, rank_keys
 from tenplex_megatron.model.rng import derive
@@ -60,6 +60,23 @@ def test_config_from_args_needs_the_logical_vocab():
     with pytest.raises(ConfigError, match="no vocab_size; pass the tokenizer's vocabulary size"):
         MegatronConfig.from_args(args)
     assert MegatronConfig.from_args(args, {"vocab_size": 100}).vocab_size == 100
+    assert MegatronConfig.from_args(args, {"vocab_size": 100}).vocab_padded_from is None
+
+
+def test_config_from_args_with_the_padded_vocab_only():
+    """Megatron-LM's args with a real tokenizer: the padded rows stand for the vocabulary, and a target
+    tp whose padding depends on the tokenizer's size is refused (GPT-2's 50257 tokens: 50304 rows at
+    tp 1, 50432 at tp 2)."""
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=50432,
+                              tensor_model_parallel_size=2, make_vocab_size_divisible_by=128)
+    cfg = MegatronConfig.from_args(args)
+    assert (cfg.vocab_size, cfg.vocab_padded_from) == (50432, 256)
+    assert MegatronConfig.from_json(cfg.to_json()) == cfg
+    for tp in (2, 4, 8):
+        check_target_vocab(cfg, tp)
+    with pytest.raises(ConfigError, match=r"50177\.\.50432 tokens pad to 50304 to 50432 rows at tp=1"):
+        check_target_vocab(cfg, 1)
+    check_target_vocab(MegatronConfig.from_args(args, {"vocab_size": 50257}), 1)
     assert MegatronConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
                           make_vocab_size_divisible_by=16).padded_vocab(2) == 128
 

@@ -34,6 +34,7 @@ from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.formats.dist.source import DistSource, chunk_path, open_dist
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.formats.dist.write import commit_dir, temp_dir
+from tenplex_megatron.model.config import check_target_vocab
 from tenplex_megatron.model.layouts import check_attention_tp, param_specs
 
 __all__ = ["reshard_dist"]
@@ -62,6 +63,7 @@ def reshard_dist(src: str, dst: str, to: ParallelConfig, model_config: dict | No
     cfg = source.desc.cfg
     source.tree.validate(to)
     check_attention_tp(cfg, to.tp)
+    check_target_vocab(cfg, to.tp)
     vocab = {k: p for k, p in _vocab_keys(cfg, source.optim).items() if k in source.md.state_dict_metadata}
     old, new = cfg.padded_vocab(source.config.tp), cfg.padded_vocab(to.tp)
     values = _target_values(source, to)

@@ -155,6 +155,10 @@ def export_hf(source, dst: str, *, hf_arch: str | None = None, dtype: str | None
                      "megatron-core's defaults")
     if main:
         notes.append("float32 weights are the optimizer's fp32 main params")
+    if cfg.vocab_padded_from:
+        notes.append(f"vocab_size {cfg.vocab_size}: the padded vocabulary (the args give no tokenizer size); "
+                     "give the tokenizer's size N with --model-config (a JSON file: {\"vocab_size\": N}) "
+                     "to export N rows")
     names = [_name(i, len(files)) for i in range(len(files))]
     weight_map = {n: names[i] for i, shard in enumerate(files) for j in shard for n in j.names}
     index = {"metadata": {"total_size": sum(j.nbytes for j in work)}, "weight_map": dict(sorted(weight_map.items()))}
