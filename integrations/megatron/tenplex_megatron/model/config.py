@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from tenplex.errors import ConfigError
 from tenplex.limits import short
 
+from tenplex_megatron.model.unmodeled import check_modeled
 from tenplex_megatron.model.limits import check_fields
 
 __all__ = ["MegatronConfig", "padded_vocab_size", "check_target_vocab", "args_to_json", "json_to_args", "stage_layers",
@@ -182,6 +183,7 @@ class MegatronConfig:
         if args is None:
             return cls.from_json(overrides)
         a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+        check_modeled(a)
         padded_from = None
         for flag in ("moe_single_grouped_weight", "moe_single_grouped_bias"):
             if a.get(flag):

@@ -9,6 +9,7 @@ import torch
 from tenplex.errors import ConfigError, CorruptShardError, ManifestError
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron.model.config import MegatronConfig, check_target_vocab, stage_layers, uneven_args
+from tenplex_megatron.model.unmodeled import UNMODELED
 from tenplex_megatron.torchfiles.jsonable import from_jsonable, to_jsonable
 from tenplex_megatron.model.layouts import check_attention_tp, megatron_tree, param_specs, rank_keys
 from tenplex_megatron.model.rng import derive
@@ -231,3 +232,17 @@ def test_dcp_records_mirror_torch_classes():
     for args in (("a",), ("a", (0, 4)), ("a", [0, 4], 3)):
         assert hash(MetadataIndex(*args)) == hash(TorchIndex(*args))
         assert MetadataIndex(*args) == MetadataIndex(args[0], *args[1:2])
+
+
+@pytest.mark.parametrize("flag,value", [(name, "learnable" if name == "softmax_type" else
+                                          "M-M*" if name == "hybrid_override_pattern" else 1)
+                                         for name, _, _ in UNMODELED])
+def test_args_of_models_tenplex_does_not_model_are_refused_by_name(flag, value):
+    """A model with parameters tenplex does not model is refused naming the flag (before: the first
+    unexpected tensor's key); the flag at its Megatron-LM default passes."""
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100)
+    with pytest.raises(ConfigError, match=rf"Megatron args: {flag}=.* which tenplex does not model") as info:
+        MegatronConfig.from_args({**base, flag: value})
+    assert "\n" not in str(info.value)
+    default = "vanilla" if flag == "softmax_type" else None
+    assert MegatronConfig.from_args({**base, flag: default}).num_layers == 2
