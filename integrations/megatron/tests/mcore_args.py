@@ -51,6 +51,9 @@ def _action_flags(add) -> None:
     add("--save", choices=["none", "legacy", "dist", "both"], default="none")
     add("--save-dir", default=None)
     add("--dist-args", choices=["on", "off"], default="on", help="args in a dist checkpoint's common.pt")
+    add("--account-for", choices=["none", "embedding", "loss", "both"], default="none",
+        help="account_for_{embedding,loss}_in_pipeline_split: the first (last) stage counts the "
+             "embedding (loss) as a layer and builds one decoder layer less")
     add("--args-vocab", choices=["on", "off"], default="on",
         help="off: the args hold padded_vocab_size only, as Megatron-LM writes them with a tokenizer "
              "other than the NullTokenizer (GPT2BPETokenizer here)")

@@ -89,6 +89,8 @@ class CheckpointMixin:
             make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
             tokenizer_type="NullTokenizer" if a.args_vocab == "on" else "GPT2BPETokenizer",
             vocab_file=None, tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+            account_for_embedding_in_pipeline_split=a.account_for in ("embedding", "both"),
+            account_for_loss_in_pipeline_split=a.account_for in ("loss", "both"),
             virtual_pipeline_model_parallel_size=a.vpp, context_parallel_size=a.cp,
             expert_model_parallel_size=a.ep, expert_tensor_parallel_size=a.etp,
             num_experts=a.experts, moe_router_topk=a.topk, moe_ffn_hidden_size=a.moe_ffn or a.ffn,

@@ -230,7 +230,9 @@ class Worker(CheckpointMixin, RunMixin):
             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
             apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-            init_method_std=0.02, **moe)
+            init_method_std=0.02,
+            account_for_embedding_in_pipeline_split=a.account_for in ("embedding", "both"),
+            account_for_loss_in_pipeline_split=a.account_for in ("loss", "both"), **moe)
         # set after the checks of __post_init__, as the HF export's settings always were
         config.layernorm_epsilon = a.eps
         config.rotary_interleaved = a.rotary_interleaved

@@ -25,7 +25,8 @@ from tenplex.transform.planner import make_plan
 
 from tenplex_megatron.formats.common import TargetValues
 from tenplex_megatron.formats.siblings import SiblingLeaves, Stopped
-from tenplex_megatron.model.config import MegatronConfig, check_target_vocab
+from tenplex_megatron.model.config import MegatronConfig
+from tenplex_megatron.model.vocab import check_target_vocab
 from tenplex_megatron.model.layouts import check_attention_tp
 from tenplex_megatron.torchfiles.jsonable import from_jsonable
 from tenplex_megatron.torchfiles.ptfile import TensorRef

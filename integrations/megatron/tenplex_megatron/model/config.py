@@ -11,24 +11,17 @@ import argparse
 import json
 import re
 from dataclasses import asdict, dataclass, fields
-from math import ceil
 from typing import Any, Mapping
 
 from tenplex.errors import ConfigError
 from tenplex.limits import short
 
 from tenplex_megatron.model.unmodeled import check_modeled
+from tenplex_megatron.model.vocab import padded_vocab_size
 from tenplex_megatron.model.limits import check_fields
 
-__all__ = ["MegatronConfig", "padded_vocab_size", "check_target_vocab", "args_to_json", "json_to_args", "stage_layers",
-           "uneven_args", "args_for", "check_vocab"]
-
-
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM pads the vocabulary to a multiple of ``make_vocab_size_divisible_by * tp``
-    (``megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding``)."""
-    multiple = divisible_by * tp
-    return ceil(vocab / multiple) * multiple
+__all__ = ["MegatronConfig", "padded_vocab_size", "args_to_json", "json_to_args", "stage_layers",
+           "uneven_args", "args_for"]
 
 
 @dataclass(frozen=True)
@@ -328,12 +321,24 @@ def stage_layers(args: Any, num_layers: int, pp: int) -> tuple[int, ...] | None:
 
     Megatron-LM allows the first and the last stage their own layer counts
     (``decoder_first_pipeline_num_layers``, ``decoder_last_pipeline_num_layers``);
-    the other stages share the rest evenly.
+    the other stages share the rest evenly. With ``account_for_embedding_in_pipeline_split``
+    (``account_for_loss_in_pipeline_split``) the embedding (the loss) counts as a layer of the
+    first (last) stage, which builds one decoder layer less (megatron-core 0.16
+    ``transformer_block.py::get_num_layers_to_build``).
 
     Raises:
-        ConfigError: if the rest does not split evenly over the middle stages.
+        ConfigError: if the rest does not split evenly over the middle stages; the embedding or
+            loss is counted with virtual pipeline stages (a shorter first or last chunk, which
+            tenplex does not model); ``pipeline_model_parallel_layout`` is set.
     """
     a = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    if a.get("pipeline_model_parallel_layout"):
+        raise ConfigError(f"Megatron args: pipeline_model_parallel_layout="
+                          f"{short(a['pipeline_model_parallel_layout'], 60)}: tenplex reads pipeline splits given "
+                          "by decoder_first/last_pipeline_num_layers or account_for_{embedding,loss}_in_pipeline_split")
+    counted = [bool(a.get(f"account_for_{part}_in_pipeline_split")) for part in ("embedding", "loss")]
+    if pp > 1 and any(counted):
+        return _counted_stages(a, num_layers, pp, *counted)
     first, last = a.get("decoder_first_pipeline_num_layers"), a.get("decoder_last_pipeline_num_layers")
     if pp == 1 or (first is None and last is None):
         return None
@@ -349,6 +354,22 @@ def stage_layers(args: Any, num_layers: int, pp: int) -> tuple[int, ...] | None:
     if last is not None:
         layers[-1] = last
     return tuple(layers)
+
+
+def _counted_stages(a: dict, num_layers: int, pp: int, embedding: bool, loss: bool) -> tuple[int, ...] | None:
+    """The stages of :func:`stage_layers` when the embedding and/or loss count as layers."""
+    vpp = a.get("virtual_pipeline_model_parallel_size")
+    if vpp and vpp > 1:
+        raise ConfigError(f"Megatron args: account_for_embedding/loss_in_pipeline_split with vpp={vpp} "
+                          "shortens the first or last virtual stage, which tenplex does not model")
+    total = num_layers + embedding + loss
+    if total % pp:
+        raise ConfigError(f"Megatron args: {num_layers} layers with the embedding={embedding} and loss={loss} "
+                          f"counted do not split evenly over pp={pp}")
+    layers = [total // pp] * pp
+    layers[0] -= embedding
+    layers[-1] -= loss
+    return None if len(set(layers)) == 1 else tuple(layers)
 
 
 def uneven_args(layers: tuple[int, ...] | None) -> dict:
@@ -419,48 +440,3 @@ def pipeline_args(config: Any) -> dict:
             "num_layers_per_virtual_pipeline_stage": None, "pipeline_model_parallel_layout": None,
             "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
             **uneven_args(config.stage_layers)}
-
-
-def check_target_vocab(cfg: MegatronConfig, tp: int) -> None:
-    """A target ``tp``'s padded vocabulary must not depend on the tokenizer's size the args did not give.
-
-    With :attr:`MegatronConfig.vocab_padded_from` ``M``, the tokenizer's size ``v`` is one of
-    ``vocab_size - M + 1 .. vocab_size``; Megatron-LM at ``tp`` pads ``v`` to a multiple of
-    ``make_vocab_size_divisible_by * tp`` (:func:`padded_vocab_size`). Where every such ``v`` pads alike
-    (any tp that is a multiple of the saver's; any change of pp, dp, ep) that padding is the target's;
-    otherwise the target's rows would be a guess.
-
-    Raises:
-        ConfigError: naming both paddings and asking for the tokenizer's size.
-    """
-    if not cfg.vocab_padded_from:
-        return
-    low, high = (padded_vocab_size(v, cfg.make_vocab_size_divisible_by, tp)
-                 for v in (cfg.vocab_size - cfg.vocab_padded_from + 1, cfg.vocab_size))
-    if low != high:
-        raise ConfigError(f"the args hold padded_vocab_size={cfg.vocab_size} and no vocab_size: the tokenizer's "
-                          f"{cfg.vocab_size - cfg.vocab_padded_from + 1}..{cfg.vocab_size} tokens pad to {low} to "
-                          f"{high} rows at tp={tp} (make_vocab_size_divisible_by="
-                          f"{cfg.make_vocab_size_divisible_by}), depending on which; pass the tokenizer's "
-                          "vocabulary size with --model-config (a JSON file such as {\"vocab_size\": 50257})")
-
-
-def check_vocab(cfg: MegatronConfig, args: Any, tp: int, rows: int | None, where: str) -> None:
-    """The stored (padded) vocabulary rows must be the model config's padding at the saver's ``tp``.
-
-    Raises:
-        ConfigError: if the args' ``vocab_size`` differs from the model config's,
-            or ``rows`` is not ``cfg.padded_vocab(tp)``: tenplex neither truncates
-            nor invents vocabulary rows.
-    """
-    a = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
-    stored = a.get("vocab_size")
-    if stored and stored != cfg.vocab_size:
-        raise ConfigError(f"{where}: the args say vocab_size={stored}, the model config says "
-                          f"{cfg.vocab_size}; tenplex neither truncates nor invents vocabulary rows")
-    padded = cfg.padded_vocab(tp)
-    if rows is not None and rows != padded:
-        raise ConfigError(f"{where}: the checkpoint stores {rows} vocabulary rows, but vocab_size="
-                          f"{cfg.vocab_size} pads to {padded} at tp={tp} (make_vocab_size_divisible_by="
-                          f"{cfg.make_vocab_size_divisible_by}); give the tokenizer's vocabulary size "
-                          "with --model-config")

@@ -8,7 +8,8 @@ import torch
 
 from tenplex.errors import ConfigError, CorruptShardError, ManifestError
 from tenplex.ptree.config import ParallelConfig
-from tenplex_megatron.model.config import MegatronConfig, check_target_vocab, stage_layers, uneven_args
+from tenplex_megatron.model.config import MegatronConfig, stage_layers, uneven_args
+from tenplex_megatron.model.vocab import check_target_vocab
 from tenplex_megatron.model.unmodeled import UNMODELED
 from tenplex_megatron.torchfiles.jsonable import from_jsonable, to_jsonable
 from tenplex_megatron.model.layouts import check_attention_tp, megatron_tree, param_specs, rank_keys
@@ -246,3 +247,24 @@ def test_args_of_models_tenplex_does_not_model_are_refused_by_name(flag, value):
     assert "\n" not in str(info.value)
     default = "vanilla" if flag == "softmax_type" else None
     assert MegatronConfig.from_args({**base, flag: default}).num_layers == 2
+
+
+def test_pipeline_splits_that_count_the_embedding_and_loss():
+    """megatron-core's get_num_layers_to_build: the embedding (loss) takes one layer's place on the
+    first (last) stage; with virtual stages, or a pipeline_model_parallel_layout, it is refused by name."""
+    def split(layers, pp, **args):
+        return stage_layers(argparse.Namespace(**args), layers, pp)
+
+    assert split(3, 2, account_for_embedding_in_pipeline_split=True) == (1, 2)
+    assert split(6, 4, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True) \
+        == (1, 2, 2, 1)
+    assert split(5, 2, account_for_loss_in_pipeline_split=True) == (3, 2)
+    assert split(4, 2, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True) \
+        is None  # (2, 2): even
+    assert split(4, 1, account_for_embedding_in_pipeline_split=True) is None
+    with pytest.raises(ConfigError, match="do not split evenly over pp=2"):
+        split(4, 2, account_for_embedding_in_pipeline_split=True)
+    with pytest.raises(ConfigError, match="with vpp=2 shortens the first or last virtual stage"):
+        split(7, 2, account_for_embedding_in_pipeline_split=True, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_layout=Et|tL"):
+        split(2, 2, pipeline_model_parallel_layout="Et|tL")

@@ -34,7 +34,7 @@ from tenplex_megatron.dcp.records import MetadataIndex, TensorStorageMetadata
 from tenplex_megatron.formats.dist.source import DistSource, chunk_path, open_dist
 from tenplex_megatron.dcp.write import DcpWriter
 from tenplex_megatron.formats.dist.write import commit_dir, temp_dir
-from tenplex_megatron.model.config import check_target_vocab
+from tenplex_megatron.model.vocab import check_target_vocab
 from tenplex_megatron.model.layouts import check_attention_tp, param_specs
 
 __all__ = ["reshard_dist"]

@@ -29,7 +29,8 @@ from tenplex.ptree.sharding import Piece, Sharding
 from tenplex.ptree.tree import torch_dtype
 from tenplex.store.paths import check_inside
 
-from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
+from tenplex_megatron.model.config import MegatronConfig, args_to_json
+from tenplex_megatron.model.vocab import check_vocab
 from tenplex_megatron.formats.dist.buffers import chained, expected_flat
 from tenplex_megatron.formats.dist.dp_zero import DP_ZERO, zero_refs
 from tenplex_megatron.formats.dist.model_space import MODEL_SPACE, check_steps

@@ -35,7 +35,8 @@ from tenplex.ptree.tree import torch_dtype
 from tenplex.store.paths import check_inside
 
 from tenplex_megatron.formats.main_params import check_main_params
-from tenplex_megatron.model.config import MegatronConfig, args_to_json, check_vocab
+from tenplex_megatron.model.config import MegatronConfig, args_to_json
+from tenplex_megatron.model.vocab import check_vocab
 from tenplex_megatron.formats.description import Description
 from tenplex_megatron.formats.folders import TRACKER, iteration_dir_name, locate
 from tenplex_megatron.model.flatbuf import distrib_optim_refs
