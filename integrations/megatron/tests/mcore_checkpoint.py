@@ -160,6 +160,8 @@ class CheckpointMixin:
         if self.legacy_writes():
             os.makedirs(d, exist_ok=True)
             torch.save(state, os.path.join(d, "model_optim_rng.pt"))
+            print(f"RNG tp={self.tp_rank} pp={self.pp_rank} dp={self.dp_rank} {rng_digest(state['rng_state'][0])}\n",
+                  end="", flush=True)
             print(f"LEGACY_WRITE rank={self.dist.get_rank()} {os.path.relpath(d, root)}", flush=True)
         self.dist.barrier()
         if self.dist.get_rank() == 0:

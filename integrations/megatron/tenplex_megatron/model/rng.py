@@ -110,7 +110,7 @@ def fill_states(states: dict[str, Any], coords, dp: int, *, seed: int, dp_random
 
     Args:
         states: ``{"tp=T,pp=P": list of states by dp(-cp) rank, or None}`` for the target's
-            coordinates (None where the coordinate is new).
+            coordinates (None where the coordinate is new; a None entry: a rank no file held).
         coords: the target's ``(tp_rank, pp_rank)`` coordinates.
         dp: the target's dp (the list length with ``dp_random_init``).
         seed: ``args.seed``.
@@ -132,15 +132,19 @@ def fill_states(states: dict[str, Any], coords, dp: int, *, seed: int, dp_random
     for t, p in coords:
         key = f"tp={t},pp={p}"
         kept = list(states.get(key) or [])
-        if not kept and any(states.values()):
+        if not any(s is not None for s in kept) and any(states.values()):
             notes.append(f"rng: {key} is a new coordinate; its state is derived from seed {seed}")
         elif kept and len(kept) != length:
             notes.append(f"rng: {key} held {len(kept)} dp states, the target needs {length}; "
                          f"{'missing ones derived' if len(kept) < length else 'extra ones dropped'}")
-        full = kept[:length]
-        for d in range(len(full), length):
-            ep_rank, etp_rank = expert_rank(t, p, d) if expert_rank else (0, 0)
-            full.append(derive(seed, t, p, dp_rank=d, dp_random_init=dp_random_init, kind=kind,
-                               ep_rank=ep_rank, etp_rank=etp_rank))
+        elif None in kept:
+            notes.append(f"rng: {key} held {length - kept.count(None)} of {length} dp states; the missing "
+                         "ones are derived")
+        full = kept[:length] + [None] * (length - len(kept))
+        for d, state in enumerate(full):
+            if state is None:  # a new rank: seeded as megatron-core seeds it
+                ep_rank, etp_rank = expert_rank(t, p, d) if expert_rank else (0, 0)
+                full[d] = derive(seed, t, p, dp_rank=d, dp_random_init=dp_random_init, kind=kind,
+                                 ep_rank=ep_rank, etp_rank=etp_rank)
         out[key] = full
     return out, notes

@@ -146,3 +146,26 @@ def test_growing_to_experts_writes_the_grid_that_0_16_loads(tmp_path):
     assert rng_by_rank(got) == {(0, 0, 0): saved[(0, 0, 0)],
                                 (0, 0, 1): rng_digest(derive(1234, 0, 0, kind="cpu", ep_rank=1))}, got
     assert max(abs(a - b) for a, b in zip(losses(got), static[2:])) <= 1e-6, (losses(got), static)
+
+
+def test_legacy_files_keep_each_ep_ranks_state(tmp_path):
+    """Legacy files at ep 2 are written by one rank per ep rank, each with its own state (their expert
+    streams differ). Resharded to dp 4, every rank restores the state of its own ep rank's file (on
+    30f0678 every file got dp-cp rank 0's); to torch_dist, ranks 0 and 1 keep theirs and ranks 2 and 3
+    (new) are derived."""
+    d = tmp_path / "src"
+    out = run_moe(2, FLAGS, "--train-steps", "2", "--save", "legacy", "--save-dir", str(d / "legacy"),
+                  "--train-after-save", "2")
+    saved, static = rng_by_rank(out), losses(out)
+    assert set(saved) == {(0, 0, 0), (0, 0, 1)} and saved[(0, 0, 0)] != saved[(0, 0, 1)], out
+    done = tenplex("reshard", str(d / "legacy"), str(tmp_path / "legacy"), "--to", "dp=4,ep=2")
+    assert done.returncode == 0, done.stderr
+    got = run_moe(4, FLAGS, "--load", "legacy", "--load-dir", str(tmp_path / "legacy"), "--load-rng",
+                  "--train-steps", "2")
+    assert rng_by_rank(got) == {(0, 0, r): saved[(0, 0, r % 2)] for r in range(4)}, got
+    assert max(abs(a - b) for a, b in zip(losses(got), static[2:])) <= 1e-6, (losses(got), static)
+    _reshard(d / "legacy", tmp_path / "dist", "dp=4,ep=2")
+    got = run_moe(4, FLAGS, "--load", "dist", "--load-dir", str(tmp_path / "dist"), "--load-rng")
+    derived = [rng_digest(derive(1234, 0, 0, kind="cpu", ep_rank=ep)) for ep in (0, 1)]
+    assert rng_by_rank(got) == {(0, 0, 0): saved[(0, 0, 0)], (0, 0, 1): saved[(0, 0, 1)],
+                                (0, 0, 2): derived[0], (0, 0, 3): derived[1]}, got

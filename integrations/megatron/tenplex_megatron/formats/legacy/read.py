@@ -374,8 +374,8 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     if len(schemes) > 1:
         raise ManifestError(f"{iter_dir}: expert keys mix the sequential (local_experts.{{j}}.linear_fc1) "
                             "and grouped-GEMM (linear_fc1.weight{j}) names (Megatron-LM #924)")
+    rng_refs = _rng_by_rank(files, writers, config, iter_dir)
     files = {k[:2]: s for k, s in files.items() if writers[k].dense_dp_first}
-    rng_refs = {f"tp={t},pp={p}": s["rng_state"] for (t, p), s in files.items() if "rng_state" in s}
     values = {
         "megatron/iteration": iteration if iteration is not None else first.get("iteration", 0),
         "megatron/checkpoint_version": first.get("checkpoint_version"),
@@ -397,6 +397,33 @@ def describe_legacy(root: str, model_config: dict | None = None, threads: int = 
     notes = [extra_state_note(len(dropped), dropped[0])] if dropped else []
     return Found(Description(cfg, config, tree, values, meta, notes, sharding), refs, rng_refs, steps,
                  nbytes + sum(scaler_reads))
+
+
+def _rng_by_rank(files: dict, writers: dict, config, where: str) -> dict[str, list]:
+    """``{"tp=T,pp=P": RNG states by dp-cp rank}`` of the files' ``rng_state`` lists.
+
+    Each ``(tp, pp, ep)`` file holds its writer's ``[state]`` (at ep > 1 the writers of one (tp, pp)
+    are ranks of different ep ranks, whose expert-parallel streams differ): each goes under its
+    writer's dp-cp rank (``dp * cp + cp``), None where no file holds a rank's. A list of more
+    (``data_parallel_random_init``: every dp rank's) is taken whole from dp-cp rank 0's file.
+    """
+    out: dict[str, dict] = {}
+    for k, state in sorted(files.items()):
+        if "rng_state" in state:
+            c = writers[k]
+            out.setdefault(f"tp={k[0]},pp={k[1]}", {})[c.dp * config.cp + c.cp] = state["rng_state"]
+    merged = {}
+    for coord, by_rank in out.items():
+        first = by_rank.get(0)
+        if first is not None and not (isinstance(first, list) and len(first) == 1):
+            merged[coord] = first
+        elif all(isinstance(v, list) and len(v) == 1 for v in by_rank.values()):
+            merged[coord] = [by_rank[d][0] if d in by_rank else None for d in range(max(by_rank) + 1)]
+        else:
+            raise ManifestError(f"{where}: rng_state of {coord}: the files hold lists of "
+                                f"{sorted({len(v) if isinstance(v, list) else -1 for v in by_rank.values()})} "
+                                "states; expected one state each (or every dp rank's in dp-cp rank 0's file)")
+    return merged
 
 
 class LegacySource(MegatronSource):

@@ -138,7 +138,7 @@ def write_legacy(source, root: str, to: ParallelConfig, threads: int = 8, progre
         tmp = (os.path.join(root, f".{name}.tmp-{uuid.uuid4().hex}") if part is None
                else part_folder(root, values.iteration, part.token))
         dtypes = meta.get("buffer_dtypes") or buffer_dtypes(cfg, vars(values.args))
-        rng_states = values.rng_states()
+        rng_states = values.rng_states(per_dp=to.ep > 1)
         stages: dict = {}  # (pp, ep) -> ([model file jobs], [distrib_optim.pt jobs]), in rank order
         expected, made = [], []
         try:
@@ -271,7 +271,8 @@ def _write_rank(build, cfg, values, rng_states, optimizer, t, p, e, rank, d, sch
         state["optimizer"] = [{"optimizer": {"param_groups": groups}, **values.grad_scaler()} for groups in subs]
     if optimizer is not None and len(subs) == 1:
         state["optimizer"] = state["optimizer"][0]
-    state["rng_state"] = rng_states[f"tp={t},pp={p}"]
+    states, c = rng_states[f"tp={t},pp={p}"], to.coord(rank)  # at ep > 1 the writer's own (rank dp*cp + cp)
+    state["rng_state"] = states if values.dp_random_init or to.ep == 1 else [states[c.dp * to.cp + c.cp]]
     state["num_floating_point_operations_so_far"] = values.flops
     state.update(values.extra)
     return save_streamed(state, os.path.join(d, "model_optim_rng.pt"), placeholders,
