@@ -94,4 +94,3 @@ class TargetValues:
         """``{"grad_scaler": state}`` when the source's optimizer had one (fp16), else ``{}``."""
         scaler = (self.optimizer or {}).get("grad_scaler")
         return {} if scaler is None else {"grad_scaler": scaler}
-

@@ -100,6 +100,9 @@ class MegatronConfig:
 
     def __post_init__(self) -> None:
         check_fields(vars(self), "MegatronConfig")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"MegatronConfig: make_vocab_size_divisible_by={self.make_vocab_size_divisible_by}; "
+                              "expected at least 1 (Megatron-LM pads the vocabulary to a multiple of it)")
         if isinstance(self.moe_layer_freq, list):
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         if self.num_moe_experts and self.moe_ffn_hidden_size is None:
@@ -192,7 +195,7 @@ class MegatronConfig:
                                   f"{tp} and no vocab_size; pass the tokenizer's vocabulary size with "
                                   "--model-config (a JSON file such as {\"vocab_size\": 50257})")
             a = {**a, "vocab_size": padded}  # the padded rows stand for the tokenizer's (check_target_vocab)
-            padded_from = int(a.get("make_vocab_size_divisible_by", 128)) * int(tp)
+            padded_from = _divisible_by(a) * int(tp)
         try:
             return cls._from_args(a).with_overrides(
                 {**{k: v for k, v in overrides.items() if k != "vocab_size"},
@@ -208,7 +211,7 @@ class MegatronConfig:
             num_attention_heads=int(a["num_attention_heads"]), vocab_size=int(a["vocab_size"]),
             ffn_hidden_size=a.get("ffn_hidden_size"), num_query_groups=groups,
             kv_channels=a.get("kv_channels"), swiglu=bool(a.get("swiglu", False)),
-            make_vocab_size_divisible_by=int(a.get("make_vocab_size_divisible_by", 128)),
+            make_vocab_size_divisible_by=_divisible_by(a),
             untie_embeddings_and_output_weights=bool(a.get("untie_embeddings_and_output_weights", False)),
             position_embedding_type=a.get("position_embedding_type", "learned_absolute"),
             max_position_embeddings=int(a.get("max_position_embeddings") or 1024),
@@ -267,6 +270,12 @@ _OMITTED_DEFAULTS = {"transformer_impl": "local", "num_moe_experts": None, "moe_
                  "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
                  "moe_layer_freq": 1, "moe_grouped_gemm": False, "vocab_padded_from": None}
 """Fields left out of :meth:`MegatronConfig.to_json` at these values (a dense local-spec model's)."""
+
+
+def _divisible_by(a: dict) -> int:
+    """Megatron-LM's ``make_vocab_size_divisible_by`` (128 where the args leave it unset)."""
+    value = a.get("make_vocab_size_divisible_by")
+    return 128 if value is None else int(value)
 
 
 def _layer_freq(value: Any) -> int | tuple:

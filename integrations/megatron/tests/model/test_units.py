@@ -79,6 +79,9 @@ def test_config_from_args_with_the_padded_vocab_only():
     with pytest.raises(ConfigError, match=r"50177\.\.50432 tokens pad to 50304 to 50432 rows at tp=1"):
         check_target_vocab(cfg, 1)
     check_target_vocab(MegatronConfig.from_args(args, {"vocab_size": 50257}), 1)
+    with pytest.raises(ConfigError, match="make_vocab_size_divisible_by=0; expected at least 1"):
+        MegatronConfig.from_args({**vars(args), "make_vocab_size_divisible_by": 0})  # was ZeroDivisionError
+    assert MegatronConfig.from_args({**vars(args), "make_vocab_size_divisible_by": None}).vocab_padded_from == 256
     assert MegatronConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100,
                           make_vocab_size_divisible_by=16).padded_vocab(2) == 128
 
