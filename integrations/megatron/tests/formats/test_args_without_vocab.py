@@ -66,3 +66,17 @@ def test_an_uncertain_padding_is_refused_until_the_size_is_given(sources, tmp_pa
     stored = torch.load(next((tmp_path / "out").glob("iter_*/mp_rank_00/model_optim_rng.pt")),
                         weights_only=False)["args"]
     assert (stored.vocab_size, stored.padded_vocab_size) == (None, 112)
+
+
+def test_no_args_at_all_asks_for_the_model_config(tmp_path):
+    """A torch_dist save without args (Megatron-Bridge keeps its config in the iteration folder's
+    run_config.yaml instead) asks for --model-config, and names run_config.yaml where there is one."""
+    src = tmp_path / "src"
+    run_worker(1, 1, MODELS["gqa"], "--save", "dist", "--save-dir", str(src))
+    done = tenplex("reshard", str(src), str(tmp_path / "out"), "--to", "tp=2")
+    assert done.returncode == 1 and "no args in common.pt; pass the model config" in done.stderr, done.stderr
+    assert "run_config.yaml" not in done.stderr
+    (src / "run_config.yaml").write_text("model:\n  num_layers: 4\n")
+    done = tenplex("reshard", str(src), str(tmp_path / "out"), "--to", "tp=2")
+    assert "its run_config.yaml (Megatron-Bridge's config, which tenplex does not read)" in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -400,8 +400,11 @@ def describe_dist(path: str, model_config: dict | None = None, iteration: int | 
     if model_config is None and args is None:
         kind = "common.pt" if os.path.exists(os.path.join(root, "common.pt")) else \
             f"the {COMMON_STATE} item" if COMMON_STATE in md.state_dict_metadata else "no common state"
+        bridge = os.path.lexists(os.path.join(root, "run_config.yaml"))  # Megatron-Bridge keeps its config there
         raise ConfigError(f"{root}: no args in {kind}; pass the model config "
-                          "(--model-config FILE.json, see docs/megatron.md)")
+                          "(--model-config FILE.json, see docs/megatron.md)"
+                          + ("; its run_config.yaml (Megatron-Bridge's config, which tenplex does not read) "
+                             "has the model section's values" if bridge else ""))
     cfg = MegatronConfig.from_args(args, model_config)
     names = dist_names(cfg, md.state_dict_metadata)
     cfg = cfg.with_impl(names)  # the layer spec: the order of dp_reshardable buffers
