@@ -5,7 +5,7 @@ not an even split. On 30f0678 tenplex ignored the flag and refused every such ch
 ("pp=2 does not divide num_layers=3"); a split that came out even by chance would have been read
 with its layers on the wrong stages. Saved by megatron-core after 2 steps with the distributed
 optimizer (both formats; ``dp_reshardable`` keeps each stage's buffers by position, so the split
-decides every offset), resharded to pp 1 and to pp 3, loaded by megatron-core, and trained on with
+decides every offset), resharded to pp 1 (legacy) and to pp 3 (torch_dist), loaded by megatron-core, and trained on with
 the source run's next two losses.
 """
 
@@ -30,8 +30,7 @@ def source(tmp_path_factory):
     return d, got[2:]
 
 
-@pytest.mark.parametrize("fmt", ["legacy", "dist"])
-@pytest.mark.parametrize("pp", [1, 3])
+@pytest.mark.parametrize("fmt,pp", [("legacy", 1), ("dist", 3)])
 def test_the_counted_split_reshards_and_training_goes_on(source, tmp_path, fmt, pp):
     src, expected = source
     done = tenplex("reshard", str(src / fmt), str(tmp_path / "out"), "--to", f"pp={pp}")
