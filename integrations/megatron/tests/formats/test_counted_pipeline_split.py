@@ -2,11 +2,10 @@
 
 megatron-core then builds one decoder layer less on the first stage: 3 layers at pp 2 are (1, 2),
 not an even split. On 30f0678 tenplex ignored the flag and refused every such checkpoint
-("pp=2 does not divide num_layers=3"); a split that came out even by chance would have been read
-with its layers on the wrong stages. Saved by megatron-core after 2 steps with the distributed
+("pp=2 does not divide num_layers=3"). Saved by megatron-core after 2 steps with the distributed
 optimizer (both formats; ``dp_reshardable`` keeps each stage's buffers by position, so the split
-decides every offset), resharded to pp 1 (legacy) and to pp 3 (torch_dist), loaded by megatron-core, and trained on with
-the source run's next two losses.
+decides every offset), resharded to pp 1 (legacy) and to pp 3 (torch_dist), loaded by
+megatron-core, and trained on with the source run's next two losses.
 """
 
 import pytest
