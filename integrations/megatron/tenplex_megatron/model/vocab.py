@@ -1,15 +1,16 @@
-"""Megatron-LM's vocabulary padding: the rows a checkpoint stores at a tp, and the checks on them."""
+"""Megatron-LM's vocabulary padding: the rows a checkpoint stores at a tp, and the checks on them.
+
+The checks take a :class:`~tenplex_megatron.model.config.MegatronConfig` (which uses
+:func:`padded_vocab_size`; not imported here, so the two modules form no cycle).
+"""
 
 from __future__ import annotations
 
 import argparse
 from math import ceil
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tenplex.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tenplex_megatron.model.config import MegatronConfig
 
 __all__ = ["padded_vocab_size", "check_target_vocab", "check_vocab"]
 
