@@ -264,7 +264,7 @@ def _check_rng_ranks(md, config, where: str) -> None:
         ManifestError: naming the coordinate and the dp-cp ranks it lacks.
     """
     for coord, keys in rng_coords(md).items():
-        ranks = [int(RNG_KEY.match(k).group(3)) for k in keys if RNG_KEY.match(k).group(3) is not None]
+        ranks = [int(d) for d in (RNG_KEY.match(k).group(3) for k in keys) if d is not None]
         missing = sorted(set(range(config.dp * config.cp)) - set(ranks))
         if ranks and missing:
             raise ManifestError(f"{where}: RNG state of {coord} is stored per dp-cp rank (rng_state/shard_"

@@ -70,6 +70,7 @@ class DistSource(MegatronSource):
         self._chunks: dict[str, dict] = {}
         self._refs: dict[MetadataIndex, TensorRef] = found.refs
         self._flat_refs: dict = found.flat_refs or {}  # dp_zero_gather_scatter state: TensorRefs in its objects
+        self._rng_keys: dict | None = None  # rng_coords(md), found once (it scans every key)
 
     # -- where a local tensor lies ----------------------------------------------------
     def locate(self, path: str, coord: Coord) -> DcpRecord:
@@ -190,8 +191,10 @@ class DistSource(MegatronSource):
     def rng_objects(self, key: str) -> list[tuple[str, Any]]:
         """The DCP keys and unpickled byte objects of the RNG state ``key`` (``"tp=T,pp=P"``), in
         :func:`~tenplex_megatron.formats.dist.read.rng_coords` order; ``[]`` where none is stored."""
+        if self._rng_keys is None:
+            self._rng_keys = rng_coords(self.md)
         out = []
-        for fqn in rng_coords(self.md).get(key, []):
+        for fqn in self._rng_keys.get(key, []):
             out.append((fqn, read_objects(self.root, self.md, fqn).get(fqn)))
             self.count(self.md.storage_data[MetadataIndex(fqn)].length)
         return out
