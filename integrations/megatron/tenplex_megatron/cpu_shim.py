@@ -13,6 +13,13 @@ Two entry points, both idempotent (calling them twice is a no-op):
     forward passes, ``state_dict``/``sharded_state_dict`` and
     ``dist_checkpointing.save``/``load``.
 
+    * ``torch.compile`` returns what it is given: megatron-core decorates its
+      fused kernels with it at import (``megatron/core/jit.py``: ``jit_fuser
+      = torch.compile`` on torch >= 2.2). CPU runs turn those fusions off, so
+      the kernels never run, yet the decorators alone import ``torch._dynamo``
+      and ``torch._inductor``: 2.6 of the 4.6 s that importing
+      ``megatron.core.models.gpt`` took in each process here. This counts
+      only when ``apply()`` runs before megatron-core is imported.
     * ``torch.cuda.current_device()`` returns ``"cpu"``: many allocations are
       written as ``torch.empty(..., device=torch.cuda.current_device())``.
     * ``torch.cuda.synchronize()`` is a no-op: the DCP writer calls it.
@@ -100,6 +107,11 @@ def _make_noop(name: str):
     return noop
 
 
+def _eager_compile(model: Any = None, **_options: Any) -> Any:
+    """``torch.compile`` for CPU runs: ``model`` as it is (or, as a decorator, the identity)."""
+    return (lambda fn: fn) if model is None else model
+
+
 def _tensor_cuda_identity(self: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
     return self
 
@@ -113,6 +125,7 @@ def apply() -> None:
     if _APPLIED["model"]:
         return
 
+    torch.compile = _eager_compile  # before megatron-core's first import (below): see the module docstring
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _make_noop("synchronize")
     torch.cuda.manual_seed = _make_noop("manual_seed")
