@@ -145,5 +145,5 @@ def run_cli(argv: list[str], cwd=None, timeout: float = 240) -> subprocess.Compl
 
 
 def tenplex(*args: str) -> subprocess.CompletedProcess:
-    """``tenplex *args`` in this process (as :func:`mcore_helpers.tenplex` runs it in a subprocess)."""
+    """``tenplex *args`` in this process, as a ``tenplex`` subprocess would run it."""
     return run_cli(list(args), timeout=300)

@@ -50,10 +50,6 @@ def run_worker(tp: int, pp: int, flags: str, *extra: str, dp: int = 1, timeout: 
     return torchrun(WORKER, tp * pp * dp, ["--tp", str(tp), "--pp", str(pp), *flags.split(), *extra], timeout)
 
 
-def tenplex(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["tenplex", *args], capture_output=True, text=True, timeout=300)
-
-
 def rng_lines(output: str) -> dict[tuple[int, int], str]:
     """``{(tp, pp): digest}`` from the worker's ``RNG tp=T pp=P dp=D <digest>`` lines (dp 0)."""
     import re

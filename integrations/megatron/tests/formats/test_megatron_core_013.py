@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import mcore_venv
-from mcore_helpers import TESTS, losses, tenplex, torchrun
+from inprocess_cli import tenplex
+from mcore_helpers import TESTS, losses, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

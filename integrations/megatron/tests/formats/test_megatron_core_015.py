@@ -13,7 +13,8 @@ allow-list".
 import pytest
 
 import mcore_venv
-from mcore_helpers import TESTS, losses, tenplex, torchrun
+from inprocess_cli import tenplex
+from mcore_helpers import TESTS, losses, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

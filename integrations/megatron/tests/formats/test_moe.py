@@ -10,7 +10,8 @@ within 1e-6 (training continuity).
 import pytest
 import torch
 
-from mcore_helpers import logits, tenplex
+from inprocess_cli import tenplex
+from mcore_helpers import logits
 from moe_cases import FORMATS, check_resumed, run_moe, source_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

@@ -13,8 +13,8 @@ match the static run within 1e-6.
 
 import pytest
 
+from inprocess_cli import tenplex
 from mcore_checkpoint import megatron_load_dir
-from mcore_helpers import tenplex
 from moe_cases import FORMATS, check_resumed, source_cache
 
 # (name, source world, source flags, target world, target flags, target config, [(in, out) formats])

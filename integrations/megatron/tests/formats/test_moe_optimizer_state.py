@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from inprocess_cli import tenplex
 from mcore_checkpoint import megatron_load_dir
-from mcore_helpers import tenplex
 from moe_cases import FORMATS, check_resumed, source_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from mcore_checkpoint import TRACKER, megatron_load_dir
-from mcore_helpers import MODELS, logits, run_worker, tenplex
+from inprocess_cli import tenplex
+from mcore_helpers import MODELS, logits, run_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

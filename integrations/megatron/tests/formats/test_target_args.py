@@ -18,7 +18,8 @@ import pytest
 from tenplex.ptree.config import ParallelConfig
 from tenplex_megatron.model.config import MegatronConfig, args_for
 
-from mcore_helpers import logits, run_worker, tenplex
+from inprocess_cli import tenplex
+from mcore_helpers import logits, run_worker
 
 GQA_TP4 = ("--layers 2 --hidden 64 --heads 4 --query-groups 2 --ffn 96 --swiglu --position rope --untie "
            "--vocab 100 --make-vocab-size-divisible-by 16 --seq 8")

@@ -18,7 +18,7 @@ order"); read in ``SequentialMLP`` order, the main-param check refuses it (the l
 
 import pytest
 
-from mcore_helpers import tenplex
+from inprocess_cli import tenplex
 from moe_cases import check_resumed, source_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
