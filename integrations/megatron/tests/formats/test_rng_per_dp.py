@@ -21,10 +21,9 @@ import pytest
 
 from inprocess_cli import tenplex
 from mcore_checkpoint import rng_digest
-from mcore_helpers import losses
+from mcore_helpers import losses, torchrun
 from mcore_venv import venv_python
 from moe_cases import MODEL, WORKER, run_moe
-from mcore_helpers import torchrun
 from tenplex_megatron.model.rng import derive
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -69,6 +68,7 @@ def test_more_dp_ranks_keep_the_saved_states_and_derive_the_new_ones(source, tmp
     derived = [rng_digest(derive(1234, 0, 0, kind="cpu", ep_rank=ep)) for ep in (0, 1)]
     assert loaded == {(0, 0, 0): saved[(0, 0, 0)], (0, 0, 1): saved[(0, 0, 1)],
                       (0, 0, 2): derived[0], (0, 0, 3): derived[1]}, got
+    assert len(losses(got)) == 2, got
     assert max(abs(a - b) for a, b in zip(losses(got), static[2:])) <= 1e-6, (losses(got), static)
 
 
