@@ -46,7 +46,9 @@ def write_store(source: ShardSource, dst: str, to: ParallelConfig, *, threads: i
         source: any shard source (a tenplex store, or another format's ``open_source``).
         dst: the target URL; it must not hold a committed checkpoint.
         to: the target config.
-        threads: stored tensors read, and target tensors written, at once.
+        threads: stored tensors read from, and a leaf's files written to, an object store at
+            once (a local source is read by the building thread, a local target written by
+            one write thread: :mod:`tenplex.store.stream`).
         storage_options: fsspec options for ``dst``.
         block: the target's checksum block size, in bytes.
         max_open_files: target shard files open at once (whatever the
