@@ -14,8 +14,8 @@ Python (the ops' views and byte runs), which holds the interpreter lock,
 while a write and its block digests release it. Two threads that each do one
 kind of work overlap well; several builders mostly wait for the lock and for
 each other (on the 0.5 GB store of ``bench/reshard_scale.py``, 2 cores:
-0.56-0.62 s against 0.79-0.90 s for two builder threads and a writing
-caller, docs/benchmarks.md). Tensors waiting to be written are bounded by
+0.56-0.64 s against 0.79-0.95 s for two builder threads and a writing
+caller; docs/benchmarks.md, "One building thread, one write thread"). Tensors waiting to be written are bounded by
 :data:`QUEUE_BYTES` (and one leaf, however large). An object-store target
 writes a leaf's files on a pool of ``threads`` (each write may upload a part).
 """
