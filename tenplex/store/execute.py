@@ -130,9 +130,9 @@ class StorePlanRunner:
                 op.piece = h.pieces[op.src_piece]
                 by_record[self.reader.record(path, op.src)].append(op)
         items = list(by_record.items())
-        here = items if self.local else items[-1:]  # the last one here: one thread hand-off less
-        jobs = [self.pool.submit(self._read, rec, ops, leaf.itemsize) for rec, ops in items[:len(items) - len(here)]]
-        done = [self._read(rec, ops, leaf.itemsize) for rec, ops in here]
+        pooled = [] if self.local else items[:-1]  # the last one here: one thread hand-off less
+        jobs = [self.pool.submit(self._read, rec, ops, leaf.itemsize) for rec, ops in pooled]
+        done = [self._read(rec, ops, leaf.itemsize) for rec, ops in items[len(pooled):]]
         sources = {}
         for source, ops in [job.result() for job in jobs] + done:
             for op in ops:
