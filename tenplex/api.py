@@ -179,9 +179,9 @@ def reshard(src: str, dst: str, to: ParallelConfig, *, format: str | None = None
         format: the target format's name (``tenplex``, or a plugin's such as
             ``megatron-dist``); default the source's.
         storage_options: fsspec options for tenplex stores.
-        threads: work run at once where it runs in parallel: stored tensors fetched from, and
-            files uploaded to, an object store; leaves built by a format plugin's writer (a
-            local tenplex store is written by one building and one write thread).
+        threads: work run at once: stored tensors fetched, leaves built by a format plugin's
+            writer, files uploaded to an object store (a tenplex store written from a local
+            source is built by one thread, which also reads, and written by one more).
         block: a tenplex target's checksum block size, in bytes.
         max_open_files: target shard files open at once.
         progress: ``progress(done_bytes, total_bytes)``: target tensor bytes written.

@@ -282,7 +282,7 @@ def _write(guard, comm, source, plan, writer, mine, threads, max_open_files, pro
         watcher = threading.Thread(target=_watch, args=(guard.store, writer.total, progress, stop),
                                    name="tenplex-progress", daemon=True)
         watcher.start()
-    runner = StorePlanRunner(source, plan, threads, reuse=True)
+    runner = StorePlanRunner(source, plan, threads, reuse=True, inline_local=True)
     host = getattr(source, "host_cache", None)
     try:
         stream_targets(runner, writer, threads=threads, max_open_files=max_open_files, ranks=mine)

@@ -39,7 +39,7 @@ def _reshard_arguments(p: argparse.ArgumentParser) -> None:
                    help=TO_HELP + "; required except for a format with one layout (hf: tp = pp = ep = 1)")
     p.add_argument("--format", default=None,
                    help="output format (default: the source's); 'tenplex' or a plugin's name")
-    p.add_argument("--threads", type=positive_int, default=8, help="parallel work: Megatron/HF leaves built, object-store reads and uploads (default 8)")
+    p.add_argument("--threads", type=positive_int, default=8, help="parallel reads, leaf builds and uploads (default 8)")
     p.add_argument("--hf-arch", default=None, metavar="FAMILY",
                    help="hf export: the model family (llama, qwen2, qwen3, mixtral, qwen3_moe; default: "
                         "inferred from the checkpoint's args)")

@@ -68,7 +68,7 @@ def write_store(source: ShardSource, dst: str, to: ParallelConfig, *, threads: i
     """
     tree = source.tree
     plan = make_plan(tree, source.config, to, src_sharding=source.sharding)
-    runner = StorePlanRunner(source, plan, threads, reuse=True)
+    runner = StorePlanRunner(source, plan, threads, reuse=True, inline_local=True)
     try:
         with StoreWriter(dst, tree, to, storage_options=storage_options, meta=source.meta,
                          block=block, progress=progress, sharding=plan.dst_sharding(tree)) as writer:

@@ -6,10 +6,11 @@ of the byte runs its ops need (offsets from the stored tensor's first byte;
 see :meth:`ShardSource.read`), and the ops
 copy their regions into target tensors (fresh ones, or with ``reuse``
 buffers that no tensor refers to any more: :mod:`tenplex.store.buffers`).
-A local source is read in the calling thread (a read releases the interpreter
-lock, and a hand-off to a pool thread costs more than it overlaps: see
-:mod:`tenplex.store.stream`); on an object store, reads of a leaf's different
-stored tensors run on a thread pool, its last one in the calling thread.
+Reads of a leaf's different stored tensors run on a thread pool, its last one
+in the calling thread; with ``inline_local``, a local source is read in the
+calling thread alone (the streaming writer's choice: there a write thread
+overlaps the reads, and a hand-off to a pool thread costs more than it
+overlaps; see :mod:`tenplex.store.stream`).
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ class StorePlanRunner:
         reader: the source shards (any :class:`~tenplex.store.source.ShardSource`, e.g. a
             :class:`~tenplex.store.reader.StoreReader`); ``plan.src`` must be its config.
         plan: a plan from the stored config.
-        threads: stored tensors fetched at once from an object store (a local source is read
-            in the calling thread).
+        threads: stored tensors fetched at once.
         reuse: take read buffers and assembled targets from a :class:`~tenplex.store.buffers.BufferPool`
             (for a caller that drops each leaf's tensors once written, as the streaming writer
             does; a target's storage may then be larger than the target, so a caller that keeps
             them, or ``torch.save`` s them, should leave it off).
+        inline_local: read a local source (every format's but a tenplex store on an object
+            store) in the calling thread only, not on the pool.
 
     Attributes:
         S: the source :class:`~tenplex.ptree.sharding.Sharding` (``reader.sharding``).
@@ -67,13 +69,14 @@ class StorePlanRunner:
         PlanError: if the plan does not start from the stored config.
     """
 
-    def __init__(self, reader: ShardSource, plan: Plan, threads: int = 8, reuse: bool = False):
+    def __init__(self, reader: ShardSource, plan: Plan, threads: int = 8, reuse: bool = False,
+                 inline_local: bool = False):
         if plan.src != reader.config:
             raise PlanError(f"plan starts from {plan.src}, the store holds {reader.config}")
         self.reader, self.plan, self.tree = reader, plan, reader.tree
         self.S = reader.sharding
         self.D = plan.dst_sharding(self.tree)
-        self.local = _local(reader)
+        self.inline = inline_local and _local(reader)
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads))
         self.buffers = BufferPool() if reuse else None
         if reuse and hasattr(reader, "buffers"):
@@ -130,7 +133,7 @@ class StorePlanRunner:
                 op.piece = h.pieces[op.src_piece]
                 by_record[self.reader.record(path, op.src)].append(op)
         items = list(by_record.items())
-        pooled = [] if self.local else items[:-1]  # the last one here: one thread hand-off less
+        pooled = [] if self.inline else items[:-1]  # the last one here: one thread hand-off less
         jobs = [self.pool.submit(self._read, rec, ops, leaf.itemsize) for rec, ops in pooled]
         done = [self._read(rec, ops, leaf.itemsize) for rec, ops in items[len(pooled):]]
         sources = {}
