@@ -216,9 +216,10 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     """A numpy view of ``t``'s bytes as same-size integers (bfloat16 has no numpy type).
 
     Targets are assembled with numpy, not torch: a torch copy runs on torch's intra-op
-    (OpenMP) threads, whose waiting workers take the core the write thread needs (in a
-    process with torch's default thread count, the 0.5 GB bench reshard took 0.79 s against
-    0.5-0.6 s)."""
+    (OpenMP) threads, whose waiting workers take the core the write thread needs: in a
+    process with torch's 2 threads on 2 cores, the 0.5 GB store of ``bench/reshard_scale.py``
+    resharded in 0.87-1.06 s with torch's copies, 0.58-0.70 s with numpy's (5 runs each,
+    interleaved; docs/benchmarks.md)."""
     raw = _RAW.get(t.element_size())
     return (t.view(raw) if raw is not None and t.dtype != raw else t).numpy()
 

@@ -103,14 +103,14 @@ def _drain(queue: "_Handoff", writer: StoreWriter, pool) -> None:
             del item, tensors, items  # the buffers go back to the runner's pool
             queue.done(nbytes)
     except BaseException as exc:
-        queue.fail(exc)
+        queue.stop(exc)
 
 
 class _Handoff:
     """Built leaves on their way to the write thread, at most ``limit`` bytes of them (and one leaf).
 
     Either side may end it: the builder by :meth:`close` (all put) or :meth:`stop` (it failed),
-    the write thread by :meth:`fail`; a builder waiting for room raises the write thread's error.
+    the write thread by ``stop(error)``; a builder waiting for room raises the write thread's error.
     """
 
     def __init__(self, limit: int):
@@ -151,15 +151,10 @@ class _Handoff:
             self._closed = True
             self._cond.notify_all()
 
-    def stop(self) -> None:
+    def stop(self, error: BaseException | None = None) -> None:
+        """End it now, dropping what waits: the builder failed, or the write thread (``error``)."""
         with self._cond:
-            self._stopped = True
-            self._items.clear()
-            self._cond.notify_all()
-
-    def fail(self, exc: BaseException) -> None:
-        with self._cond:
-            self._error = exc
+            self._error = self._error or error
             self._stopped = True
             self._items.clear()
             self._cond.notify_all()
