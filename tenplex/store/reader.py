@@ -204,17 +204,48 @@ class StoreReader:
                 or a block whose digest differs from the manifest's, naming
                 file, tensor and digests.
         """
-        self.check_file(rec.file)
-        frec = self.manifest.files[rec.file]
-        if starts is None:
-            starts, ends = np.array([0]), np.array([rec.nbytes])
+        return self.read_many([(rec, starts, ends)])[0]
+
+    def read_many(self, requests: list) -> list[torch.Tensor]:
+        """:meth:`read` of several tensors of one shard file, into one buffer: ``[tensor, ...]``.
+
+        ``requests`` are ``(rec, starts, ends)`` as :meth:`read` takes them, every ``rec`` in
+        the same file. The blocks they need are fetched as one union (a block two neighbouring
+        tensors share is read and verified once, and not copied), and each tensor is a view of
+        the buffer, which spans the first tensor's first byte to the last one's last: so the
+        caller groups tensors that lie close together (the streaming executor's read-ahead,
+        :mod:`tenplex.store.execute`).
+
+        Raises:
+            ValueError: ``requests`` is empty or names more than one file.
+            CorruptShardError: as :meth:`read`.
+        """
+        if not requests or len({rec.file for rec, _, _ in requests}) != 1:
+            raise ValueError(f"read_many: expected requests of one shard file, found {len(requests)} "
+                             f"in {sorted({rec.file for rec, _, _ in requests})}")
+        key = requests[0][0].file
+        self.check_file(key)
+        frec = self.manifest.files[key]
+        starts, ends = [], []
+        for rec, s, e in requests:
+            if s is None:
+                s, e = np.array([0]), np.array([rec.nbytes])
+            starts.append(s + rec.offset)
+            ends.append(e + rec.offset)
+        blocks = needed_blocks(np.concatenate(starts), np.concatenate(ends), frec.block, frec.size)
+        sized = [rec for rec, _, _ in requests if rec.nbytes]
+        span = span_start = None
+        if len(blocks) and sized:
+            lo, hi = min(r.offset for r in sized), max(r.offset + r.nbytes for r in sized)
+            span, span_start = self._fill(key, frec, blocks, lo, hi)
+        return [self._tensor(rec, span, span_start) for rec, _, _ in requests]
+
+    @staticmethod
+    def _tensor(rec: TensorRecord, span, span_start) -> torch.Tensor:
+        """``rec``'s tensor viewing ``span`` (file bytes from ``span_start``), or an empty one."""
         dtype = torch_dtype(rec.dtype)
-        if not rec.nbytes:
+        if not rec.nbytes or span is None:
             return torch.empty(rec.shape, dtype=dtype)
-        blocks = needed_blocks(starts + rec.offset, ends + rec.offset, frec.block, frec.size)
-        if not len(blocks):
-            return torch.empty(rec.shape, dtype=dtype)
-        span, span_start = self._fill(rec.file, frec, blocks, rec.offset, rec.offset + rec.nbytes)
         lo = rec.offset - span_start
         raw = span[lo: lo + rec.nbytes]
         if lo % dtype.itemsize:  # a misaligned tensor (rare): copy it to aligned memory

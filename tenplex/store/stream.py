@@ -2,7 +2,7 @@
 
 Target files are written in groups of at most ``max_open_files``: for each
 group, leaf by leaf, the calling thread builds the group's target tensors
-(:meth:`StorePlanRunner.leaf`) and hands them to one write thread, which
+(:meth:`StorePlanRunner.leaves`, which reads a local store ahead in windows) and hands them to one write thread, which
 appends them to their files, each closed after its last tensor. So at most
 ``max_open_files`` files are open at once, whatever the target's world size
 (one open file per target rank hit ``EMFILE`` at 1024 ranks, and each open
@@ -76,8 +76,8 @@ def _write_group(runner, writer, paths: list[str], storing: dict, threads: int) 
     thread = threading.Thread(target=_drain, args=(queue, writer, pool), name="tenplex-write", daemon=True)
     thread.start()
     try:
-        for path in paths:
-            queue.put(path, runner.leaf(path, storing[path]))
+        for path, tensors in runner.leaves(paths, storing):
+            queue.put(path, tensors)
         queue.close()
     except BaseException:
         queue.stop()

@@ -142,6 +142,7 @@ def test_reshard_of_corrupt_data_leaves_nothing_at_the_destination(pristine, tmp
         abort(self)
 
     monkeypatch.setattr(writer_module.StoreWriter, "abort", recording_abort)
+    monkeypatch.setattr("tenplex.store.execute.READ_AHEAD", 1)  # a leaf a batch: the store is smaller than one
     root = tmp_path / "flipped"
     shutil.copytree(pristine, root)
     reader = StoreReader(str(root))

@@ -61,11 +61,11 @@ def _nothing_at(path) -> bool:
 def test_a_write_error_stops_the_builder_and_reaches_the_caller(source, tmp_path, monkeypatch):
     tree, _, src = source
     built, writes = [], []
-    leaf, write = StorePlanRunner.leaf, StoreWriter.write
+    assemble, write = StorePlanRunner._assemble, StoreWriter.write
 
-    def counting_leaf(self, path, ranks):
-        built.append(path)
-        return leaf(self, path, ranks)
+    def counting_assemble(self, job, tensors):
+        built.append(job.path)
+        return assemble(self, job, tensors)
 
     def failing_write(self, rank, path, tensor):
         writes.append(path)
@@ -74,7 +74,7 @@ def test_a_write_error_stops_the_builder_and_reaches_the_caller(source, tmp_path
         time.sleep(0.01)  # a slow disk: the builder is ahead, then must stop
         write(self, rank, path, tensor)
 
-    monkeypatch.setattr(StorePlanRunner, "leaf", counting_leaf)
+    monkeypatch.setattr(StorePlanRunner, "_assemble", counting_assemble)
     monkeypatch.setattr(StoreWriter, "write", failing_write)
     monkeypatch.setattr(stream, "QUEUE_BYTES", 1)
     exc = _raised_within(60, lambda: reshard(src, str(tmp_path / "b"), B))
@@ -86,15 +86,15 @@ def test_a_write_error_stops_the_builder_and_reaches_the_caller(source, tmp_path
 
 def test_a_build_error_stops_the_write_thread_and_reaches_the_caller(source, tmp_path, monkeypatch):
     _, _, src = source
-    leaf, calls = StorePlanRunner.leaf, []
+    assemble, calls = StorePlanRunner._assemble, []
 
-    def failing_leaf(self, path, ranks):
-        calls.append(path)
+    def failing_assemble(self, job, tensors):
+        calls.append(job.path)
         if len(calls) == 5:
-            raise StoreError(f"{path}: unreadable (test)")
-        return leaf(self, path, ranks)
+            raise StoreError(f"{job.path}: unreadable (test)")
+        return assemble(self, job, tensors)
 
-    monkeypatch.setattr(StorePlanRunner, "leaf", failing_leaf)
+    monkeypatch.setattr(StorePlanRunner, "_assemble", failing_assemble)
     exc = _raised_within(60, lambda: reshard(src, str(tmp_path / "b"), B))
     assert isinstance(exc, StoreError) and "unreadable" in str(exc)
     assert _nothing_at(tmp_path / "b") and not _writers_alive()
@@ -105,11 +105,11 @@ def test_built_tensors_waiting_for_the_writer_are_bounded(source, tmp_path, monk
     write in progress (one waits, one is being built)."""
     tree, state, src = source
     built, written, ahead = [0], [0], []
-    leaf, write = StorePlanRunner.leaf, StoreWriter.write
+    assemble, write = StorePlanRunner._assemble, StoreWriter.write
 
-    def counting_leaf(self, path, ranks):
+    def counting_assemble(self, job, tensors):
         ahead.append(built[0] - written[0])
-        out = leaf(self, path, ranks)
+        out = assemble(self, job, tensors)
         built[0] += 1
         return out
 
@@ -122,7 +122,7 @@ def test_built_tensors_waiting_for_the_writer_are_bounded(source, tmp_path, monk
         done(self, nbytes)
 
     done = stream._Handoff.done
-    monkeypatch.setattr(StorePlanRunner, "leaf", counting_leaf)
+    monkeypatch.setattr(StorePlanRunner, "_assemble", counting_assemble)
     monkeypatch.setattr(StoreWriter, "write", slow_write)
     monkeypatch.setattr(stream._Handoff, "done", counting_done)
     monkeypatch.setattr(stream, "QUEUE_BYTES", 1)
@@ -134,13 +134,13 @@ def test_built_tensors_waiting_for_the_writer_are_bounded(source, tmp_path, monk
 def test_a_local_source_is_read_by_the_building_thread(source, tmp_path, monkeypatch):
     """No hand-off per read: a local store's reads run in the thread that builds the leaf."""
     tree, state, src = source
-    readers, read = set(), StoreReader.read
+    readers, read_many = set(), StoreReader.read_many
 
-    def recording_read(self, rec, starts=None, ends=None):
+    def recording_read(self, requests):
         readers.add(threading.current_thread().name)
-        return read(self, rec, starts, ends)
+        return read_many(self, requests)
 
-    monkeypatch.setattr(StoreReader, "read", recording_read)
+    monkeypatch.setattr(StoreReader, "read_many", recording_read)
     reshard(src, str(tmp_path / "b"), B, threads=4)
-    assert readers == {threading.current_thread().name}
+    assert readers == {threading.current_thread().name}  # not empty: every read goes through read_many
     assert_same_global(tree, state, load_global(str(tmp_path / "b")))
