@@ -37,8 +37,9 @@ from tenplex.transform.plan import OpKind, Plan
 
 __all__ = ["READ_AHEAD", "StorePlanRunner", "target_values"]
 
-READ_AHEAD = 32 << 20
-"""Source bytes a batch of :meth:`StorePlanRunner.leaves` reads ahead, and the most one window reads (32 MiB)."""
+READ_AHEAD = 16 << 20
+"""Source bytes a batch of :meth:`StorePlanRunner.leaves` reads ahead, and the most one window reads (16 MiB;
+8, 16, 32 and 64 MiB were measured: docs/benchmarks.md, "Read-ahead windows")."""
 
 @dataclass
 class _Op:
