@@ -2,8 +2,9 @@
 
 Target files are written in groups of at most ``max_open_files``: for each
 group, leaf by leaf, the calling thread builds the group's target tensors
-(:meth:`StorePlanRunner.leaves`, which reads a local store ahead in windows) and hands them to one write thread, which
-appends them to their files, each closed after its last tensor. So at most
+(:meth:`StorePlanRunner.leaves`, which reads a local store ahead in windows)
+and hands them to one write thread, which appends them to their files, each
+closed after its last tensor. So at most
 ``max_open_files`` files are open at once, whatever the target's world size
 (one open file per target rank hit ``EMFILE`` at 1024 ranks, and each open
 object-store file buffers a part in memory). Each group reads only the byte
@@ -15,8 +16,10 @@ while a write and its block digests release it. Two threads that each do one
 kind of work overlap well; several builders mostly wait for the lock and for
 each other (on the 0.5 GB store of ``bench/reshard_scale.py``, 2 cores:
 0.56-0.64 s against 0.79-0.95 s for two builder threads and a writing
-caller; docs/benchmarks.md, "One building thread, one write thread"). Tensors waiting to be written are bounded by
-:data:`QUEUE_BYTES` (and one leaf, however large). An object-store target
+caller; docs/benchmarks.md, "One building thread, one write thread"). Tensors
+waiting to be written are bounded by :data:`QUEUE_BYTES` (and one leaf, however
+large), the reads the builder has made ahead by
+:data:`~tenplex.store.execute.READ_AHEAD`. An object-store target
 writes a leaf's files on a pool of ``threads`` (each write may upload a part).
 """
 
