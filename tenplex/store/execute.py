@@ -122,8 +122,9 @@ class StorePlanRunner:
         """
         job = self._prepare(path, ranks)
         pooled = [] if self.inline else job.reads[:-1]  # the last one here: one thread hand-off less
-        futures = [self.pool.submit(self._read, rec, s, e) for rec, _, s, e in pooled]
-        tensors = [f.result() for f in futures] + [self._read(rec, s, e) for rec, _, s, e in job.reads[len(pooled):]]
+        futures = [self.pool.submit(self.reader.read, rec, s, e) for rec, _, s, e in pooled]
+        tensors = [f.result() for f in futures]
+        tensors += [self.reader.read(rec, s, e) for rec, _, s, e in job.reads[len(pooled):]]
         return self._assemble(job, tensors)
 
     def leaves(self, paths: list[str], ranks_of: dict):
@@ -162,16 +163,17 @@ class StorePlanRunner:
         yield from self._batch(batch)
 
     def _batch(self, jobs: list["_Job"]):
+        """Read ``jobs``' stored tensors, each file's in windows, then yield each leaf's targets."""
         by_file = defaultdict(list)
         for i, job in enumerate(jobs):
             for j, (rec, _, s, e) in enumerate(job.reads):
-                by_file[rec.file].append((rec.offset, i, j, rec, s, e))
+                by_file[rec.file].append((i, j, rec, s, e))
         tensors = [[None] * len(job.reads) for job in jobs]
         for reads in by_file.values():
-            reads.sort(key=lambda r: r[0])
+            reads.sort(key=lambda r: r[2].offset)
             for window in _windows(reads):
-                got = self.reader.read_many([(rec, s, e) for _, _, _, rec, s, e in window])
-                for (_, i, j, _, _, _), tensor in zip(window, got):
+                got = self.reader.read_many([(rec, s, e) for _, _, rec, s, e in window])
+                for (i, j, _, _, _), tensor in zip(window, got):
                     tensors[i][j] = tensor
         for job, got in zip(jobs, tensors):
             yield job.path, self._assemble(job, got)
@@ -275,9 +277,6 @@ class StorePlanRunner:
             self.bytes_needed += needed
         return s, e
 
-    def _read(self, rec, starts, ends) -> torch.Tensor:
-        return self.reader.read(rec, starts, ends)
-
 
 @dataclass
 class _Job:
@@ -289,7 +288,8 @@ class _Job:
 
 
 def _windows(reads: list):
-    """Split one file's reads (sorted by offset) into runs of neighbours read as one.
+    """Split one file's reads ``(i, j, rec, starts, ends)``, sorted by ``rec.offset``, into runs
+    of neighbours read as one.
 
     A window ends where the next tensor starts more than ``MERGE_GAP`` bytes after the
     window's end (the bytes between would be read or at least allocated for nothing), or
@@ -297,7 +297,7 @@ def _windows(reads: list):
     """
     window, start, end = [], 0, 0
     for read in reads:
-        rec = read[3]
+        rec = read[2]
         if window and (rec.offset > end + MERGE_GAP or rec.offset + rec.nbytes - start > READ_AHEAD):
             yield window
             window = []

@@ -209,8 +209,9 @@ class StoreReader:
     def read_many(self, requests: list) -> list[torch.Tensor]:
         """:meth:`read` of several tensors of one shard file, into one buffer: ``[tensor, ...]``.
 
-        ``requests`` are ``(rec, starts, ends)`` as :meth:`read` takes them, every ``rec`` in
-        the same file. The blocks they need are fetched as one union (a block two neighbouring
+        ``requests`` are ``(rec, starts, ends)`` as :meth:`read` takes them (byte offsets from
+        each tensor's first byte, int64 arrays, or ``None`` for all of it), every ``rec`` in the
+        same file. Returns one tensor per request, of ``rec.shape`` and ``rec.dtype``. The blocks they need are fetched as one union (a block two neighbouring
         tensors share is read and verified once, and not copied), and each tensor is a view of
         the buffer, which spans the first tensor's first byte to the last one's last: so the
         caller groups tensors that lie close together (the streaming executor's read-ahead,

@@ -87,12 +87,11 @@ def test_small_windows_give_the_same_result(tmp_path, monkeypatch, read_ahead):
 
 
 def _reads(*spans):
-    return [(offset, 0, i, SimpleNamespace(offset=offset, nbytes=n), None, None)
-            for i, (offset, n) in enumerate(spans)]
+    return [(0, i, SimpleNamespace(offset=offset, nbytes=n), None, None) for i, (offset, n) in enumerate(spans)]
 
 
 def test_windows_end_at_a_gap_or_at_the_read_ahead_bound(monkeypatch):
-    sizes = lambda windows: [[r[3].offset for r in w] for w in windows]  # noqa: E731
+    sizes = lambda windows: [[r[2].offset for r in w] for w in windows]  # noqa: E731
     # neighbours (a gap of MERGE_GAP is still one window), then a gap past MERGE_GAP
     reads = _reads((0, 100), (100 + MERGE_GAP, 100), (200 + 2 * MERGE_GAP + 1, 100))
     assert sizes(execute._windows(reads)) == [[0, 100 + MERGE_GAP], [200 + 2 * MERGE_GAP + 1]]
