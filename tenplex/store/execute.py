@@ -38,8 +38,8 @@ from tenplex.transform.plan import OpKind, Plan
 __all__ = ["READ_AHEAD", "StorePlanRunner", "target_values"]
 
 READ_AHEAD = 16 << 20
-"""Source bytes a batch of :meth:`StorePlanRunner.leaves` reads ahead, and the most one window reads (16 MiB;
-8, 16, 32 and 64 MiB were measured: docs/benchmarks.md, "Read-ahead windows")."""
+"""Source bytes a batch of :meth:`StorePlanRunner.leaves` reads ahead, and the most one window
+reads (16 MiB; 8, 16, 32 and 64 MiB were measured: docs/benchmarks.md, "Read-ahead windows")."""
 
 @dataclass
 class _Op:
@@ -138,7 +138,7 @@ class StorePlanRunner:
         most ``MERGE_GAP``, at most :data:`READ_AHEAD` bytes) read as one, so the checksum
         blocks that neighbouring tensors share are read and verified once and never copied
         (one tensor per read copied each shared block out to a cache and back in; on the
-        0.5 GB store of ``bench/reshard_scale.py`` the reshard took 8% less time:
+        0.5 GB store of ``bench/reshard_scale.py`` the reshard took 13% less time:
         docs/benchmarks.md, "Read-ahead windows"). Only the blocks the reads need are
         fetched, as before.
 
