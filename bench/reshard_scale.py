@@ -10,6 +10,13 @@ tmpfs (``/dev/shm``) and resharded to ``dp=1,tp=1,pp=4``:
 3. **floor**: in this process, plain reads of every source shard file, whole,
    and plain writes of as many bytes as the output's shard files hold,
    through one reused 16 MiB buffer.
+4. **verified floor**: the floor plus the checksum work every tenplex reshard
+   does and the floor does not: each source block's xxh3-128 digest is
+   compared with the manifest's as it is read, and the output's block digests
+   are computed as it is written (``tenplex.store.blocks``). No plan, no
+   manifest, no assembly: what no executor that checks what it reads and
+   records what it writes can go below, on this machine
+   (``verified_floor_over_floor``; ``tenplex_over_verified_floor`` beside the goal's ratio).
 
 Times are the reshards' own (``seconds`` of the JSON report: from opening the
 source to the commit on process 0), so interpreter and torchrun start-up
@@ -21,8 +28,9 @@ fastest of each counts, the floor's too (the machine may be shared).
 Printed per run: seconds, bytes read / needed / written, per process bytes
 read and seconds. The last line is JSON: ``two_over_one``, ``four_over_one``
 (time ratios), ``tenplex_over_floor`` (1 process), ``bytes_read_over_needed``
-(4 processes, over the 1-process plan's needed bytes) and the per-process
-bytes read with 4 processes. On a machine shared with other jobs, wall
+(4 processes, over the 1-process plan's needed bytes), the per-process
+bytes read with 4 processes, and ``verified_floor_over_floor`` and
+``tenplex_over_verified_floor``. On a machine shared with other jobs, wall
 times measure the scheduler as much as the work (a job of 4 processes gets
 a larger share of an oversubscribed machine than one), so the same
 1-process reshard is also run inside this process beside the floor, and
@@ -53,6 +61,8 @@ from tenplex.api import load_global, reshard, verify  # noqa: E402
 from tenplex.models import GPTSpec, gpt_tree, random_state  # noqa: E402
 from tenplex.ptree.config import ParallelConfig  # noqa: E402
 from tenplex.ptree.sharding import Sharding  # noqa: E402
+from tenplex.store.blocks import BlockHasher, digest  # noqa: E402
+from tenplex.store.reader import StoreReader  # noqa: E402
 from tenplex.ptree.shards import materialize  # noqa: E402
 from tenplex.store.writer import save  # noqa: E402
 
@@ -84,6 +94,34 @@ def floor(src: str, out: str, sizes: list[int]) -> float:
             while size > 0:
                 size -= f.write(buf[:min(size, CHUNK)])
             os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def verified_floor(src: str, out: str, sizes: list[int]) -> float:
+    """:func:`floor` with tenplex's checksum work: every source block's digest checked on read,
+    every output block's digest computed on write (seconds)."""
+    files = StoreReader(src).manifest.files
+    buf = memoryview(bytearray(CHUNK))
+    os.makedirs(out, exist_ok=True)
+    start = time.perf_counter()
+    for key in sorted(files):
+        record, index = files[key], 0
+        assert CHUNK % record.block == 0, "a chunk must hold whole checksum blocks"
+        with open(os.path.join(src, key), "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                for a in range(0, n, record.block):
+                    if digest(buf[a:min(a + record.block, n)]) != record.digests[index]:
+                        raise SystemExit(f"{key}: block {index} differs from the manifest")
+                    index += 1
+    for k, size in enumerate(sizes):
+        hasher = BlockHasher(1 << 20)
+        with open(os.path.join(out, f"out-{k}.bin"), "wb", buffering=0) as f:
+            while size > 0:
+                n = f.write(buf[:min(size, CHUNK)])
+                hasher.update(buf[:n])
+                size -= n
+            os.fsync(f.fileno())
+        hasher.finish()
     return time.perf_counter() - start
 
 
@@ -129,12 +167,14 @@ def main() -> None:
                 if n not in results or r["seconds"] < results[n]["seconds"]:
                     results[n], walls[n] = r, wall
         sizes = [os.path.getsize(p) for p in glob.glob(os.path.join(work, "dst1", "shards", "*"))]
-        t_floor, c_floor, t_in, c_in = (float("inf"),) * 4
-        for _ in range(args.repeat):  # the floor, and one process in this process, wall and CPU seconds
+        t_floor, c_floor, t_in, c_in, t_verified = (float("inf"),) * 5
+        for _ in range(args.repeat):  # the floors, and one process in this process, wall and CPU seconds
             shutil.rmtree(os.path.join(work, "floor"), ignore_errors=True)
             cpu = time.process_time()
             t_floor = min(t_floor, floor(src, os.path.join(work, "floor"), sizes))
             c_floor = min(c_floor, time.process_time() - cpu)
+            shutil.rmtree(os.path.join(work, "floor"), ignore_errors=True)
+            t_verified = min(t_verified, verified_floor(src, os.path.join(work, "floor"), sizes))
             shutil.rmtree(os.path.join(work, "inproc"), ignore_errors=True)
             wall, cpu = time.perf_counter(), time.process_time()
             reshard(src, os.path.join(work, "inproc"), ParallelConfig.parse(DST), format="tenplex", threads=2)
@@ -153,13 +193,16 @@ def main() -> None:
                       f"(shared {p['bytes_shared']}), {p['seconds']:.2f} s")
         print(f"1 process in this process: {t_in:.2f} s, {c_in:.2f} CPU s (plugins imported, files warm)")
         read = sum(os.path.getsize(p) for p in glob.glob(src + "/shards/*"))
-        print(f"floor: {t_floor:.2f} s, {c_floor:.2f} CPU s (read {read}, wrote {sum(sizes)})")
+        print(f"floor: {t_floor:.2f} s, {c_floor:.2f} CPU s (read {read}, wrote {sum(sizes)}); "
+              f"verified floor (block digests checked and made): {t_verified:.2f} s")
         t1 = results[1]["seconds"]
         print(json.dumps({"two_over_one": round(results[2]["seconds"] / t1, 3),
                           "four_over_one": round(results[4]["seconds"] / t1, 3),
                           "tenplex_over_floor": round(t1 / t_floor, 3),
                           "inprocess_over_floor": round(t_in / t_floor, 3),
                           "cpu_over_floor": round(c_in / c_floor, 3),
+                          "verified_floor_over_floor": round(t_verified / t_floor, 3),
+                          "tenplex_over_verified_floor": round(t1 / t_verified, 3),
                           "bytes_read_over_needed": round(results[4]["bytes_read"] / needed, 4),
                           "bytes_read_per_process": [p["bytes_read"] for p in results[4]["processes"]],
                           "cpus": os.cpu_count()}))
