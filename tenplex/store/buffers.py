@@ -13,22 +13,40 @@ A buffer is free when no object but the pool refers to it (CPython's
 reference count): every view of it (a numpy slice, ``torch.from_numpy``, a
 ``memoryview``) holds a reference to it, so a buffer with a live tensor,
 or a boundary block a reader keeps as a view, is never handed out again.
+
+The pool's buffers are anonymous private mappings of their own
+(:func:`fresh`), not ``np.empty``: numpy asks for transparent huge pages on
+every large array (``madvise(MADV_HUGEPAGE)``), and where the kernel's THP
+setting is ``madvise`` with ``defrag`` ``madvise`` (the kernel's defaults,
+and this machine's), a fault on such a page may first compact memory. A
+fresh process resharding the 1 GB store of ``bench/reshard_vs_dcp.py``
+(``dp=2,tp=2`` to ``dp=1,tp=4``) took 0.92-1.25 s with numpy's buffers and
+0.69-0.74 s with these, 6 runs each, interleaved (docs/benchmarks.md,
+"Buffers without huge pages").
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
 
 import numpy as np
 
-__all__ = ["BufferPool", "POOLED_MIN", "POOL_BYTES"]
+__all__ = ["BufferPool", "POOLED_MIN", "POOL_BYTES", "fresh"]
 
 POOLED_MIN = 256 << 10
 """Smaller requests (256 KiB) are served by ``np.empty`` (the heap, no ``mmap``)."""
 
 POOL_BYTES = 1 << 30
 """Most bytes of buffers a pool keeps (1 GiB); past it, requests get fresh buffers."""
+
+
+def fresh(nbytes: int) -> np.ndarray:
+    """A new, zeroed, page-aligned ``uint8`` array of ``nbytes`` (> 0) in an anonymous private
+    mapping that asks for no huge pages (see the module's docstring); unmapped once no array
+    or view refers to it."""
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=np.uint8)
 
 
 def _refs(buffer: np.ndarray) -> int:
@@ -68,7 +86,7 @@ class BufferPool:
                 if _refs(buffer) == self._idle:
                     self.reused += nbytes
                     return buffer[:nbytes]
-            buffer = np.empty(size, np.uint8)
+            buffer = fresh(size)
             if self.kept + size <= self.limit:
                 buffers.append(buffer)
                 self.kept += size
