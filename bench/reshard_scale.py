@@ -61,9 +61,9 @@ from tenplex.api import load_global, reshard, verify  # noqa: E402
 from tenplex.models import GPTSpec, gpt_tree, random_state  # noqa: E402
 from tenplex.ptree.config import ParallelConfig  # noqa: E402
 from tenplex.ptree.sharding import Sharding  # noqa: E402
+from tenplex.ptree.shards import materialize  # noqa: E402
 from tenplex.store.blocks import BlockHasher, digest  # noqa: E402
 from tenplex.store.reader import StoreReader  # noqa: E402
-from tenplex.ptree.shards import materialize  # noqa: E402
 from tenplex.store.writer import save  # noqa: E402
 
 SRC = ParallelConfig(dp=1, tp=2, pp=1)

@@ -1,10 +1,8 @@
 """Reused byte buffers for a streaming reshard: no page faults on every read.
 
 A reshard streams the whole checkpoint through read buffers and target
-tensors that live for one leaf each. Fresh buffers of a MiB or more come
-from ``mmap`` (always, under the CLI's ``M_MMAP_THRESHOLD``; see
-:func:`tenplex.cli.main._return_freed_memory`), so every byte read or
-assembled first costs a page fault and a zeroed page: measured on the
+tensors that live for one leaf each. Every byte read or assembled into a
+fresh buffer first costs a page fault and a zeroed page: measured on the
 0.5 GB bench store (``bench/reshard_scale.py``), 0.3 CPU s per 0.5 GB, as
 much as reading it. A :class:`BufferPool` hands out buffers again once
 nothing refers to them.
@@ -17,12 +15,14 @@ or a boundary block a reader keeps as a view, is never handed out again.
 The pool's buffers are anonymous private mappings of their own
 (:func:`fresh`), not ``np.empty``: numpy asks for transparent huge pages on
 every large array (``madvise(MADV_HUGEPAGE)``), and where the kernel's THP
-setting is ``madvise`` with ``defrag`` ``madvise`` (the kernel's defaults,
-and this machine's), a fault on such a page may first compact memory. A
-fresh process resharding the 1 GB store of ``bench/reshard_vs_dcp.py``
-(``dp=2,tp=2`` to ``dp=1,tp=4``) took 0.92-1.25 s with numpy's buffers and
-0.69-0.74 s with these, 6 runs each, interleaved (docs/benchmarks.md,
-"Buffers without huge pages").
+setting is ``madvise`` with ``defrag`` ``madvise`` (a common setting, and
+the development machine's), a fault on such a page may first compact
+memory, for as long as memory is fragmented. A fresh process resharding the
+1 GB store of ``bench/reshard_vs_dcp.py`` (``dp=2,tp=2`` to ``dp=1,tp=4``)
+through :func:`tenplex.reshard` took 0.82-1.06 s (median 0.93) with numpy's
+buffers and 0.63-0.83 s (median 0.69) with these, 5 runs each, interleaved;
+where huge pages come without compaction numpy's are 10-15% faster
+(docs/benchmarks.md, "Buffers without huge pages").
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def _vm_flags(address: int) -> list[str] | None:
         return None
     inside = False
     for line in lines:
-        head = line.split()[0]
+        head = line.split()[0] if line.strip() else ""
         if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= address < hi
@@ -109,8 +109,8 @@ def _vm_flags(address: int) -> list[str] | None:
 
 def test_pooled_buffers_ask_for_no_huge_pages():
     """numpy advises huge pages for every large array; where THP is 'madvise' with defrag
-    'madvise' a fault on one may compact memory first (a fresh 1 GB reshard took 0.92-1.25 s
-    with numpy's buffers, 0.69-0.74 s without). The pool's buffers are mappings of their own."""
+    'madvise' a fault on one may compact memory first (a fresh 1 GB reshard took 0.82-1.06 s
+    with numpy's buffers, 0.63-0.83 s without). The pool's buffers are mappings of their own."""
     control = np.empty(8 << 20, np.uint8)
     control[:] = 1
     flags = _vm_flags(control.ctypes.data + (4 << 20))
