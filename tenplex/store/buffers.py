@@ -13,7 +13,7 @@ reference count): every view of it (a numpy slice, ``torch.from_numpy``, a
 or a boundary block a reader keeps as a view, is never handed out again.
 
 The pool's buffers are anonymous private mappings of their own
-(:func:`fresh`), not ``np.empty``: numpy asks for transparent huge pages on
+(:func:`_fresh`), not ``np.empty``: numpy asks for transparent huge pages on
 every large array (``madvise(MADV_HUGEPAGE)``), and where the kernel's THP
 setting is ``madvise`` with ``defrag`` ``madvise`` (a common setting, and
 the development machine's), a fault on such a page may first compact
@@ -27,13 +27,14 @@ where huge pages come without compaction numpy's are 10-15% faster
 
 from __future__ import annotations
 
+import errno
 import mmap
 import sys
 import threading
 
 import numpy as np
 
-__all__ = ["BufferPool", "POOLED_MIN", "POOL_BYTES", "fresh"]
+__all__ = ["BufferPool", "POOLED_MIN", "POOL_BYTES"]
 
 POOLED_MIN = 256 << 10
 """Smaller requests (256 KiB) are served by ``np.empty`` (the heap, no ``mmap``)."""
@@ -42,11 +43,24 @@ POOL_BYTES = 1 << 30
 """Most bytes of buffers a pool keeps (1 GiB); past it, requests get fresh buffers."""
 
 
-def fresh(nbytes: int) -> np.ndarray:
+def _fresh(nbytes: int) -> np.ndarray:
     """A new, zeroed, page-aligned ``uint8`` array of ``nbytes`` (> 0) in an anonymous private
     mapping that asks for no huge pages (see the module's docstring); unmapped once no array
-    or view refers to it."""
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=np.uint8)
+    or view refers to it.
+
+    Raises:
+        MemoryError: the mapping was refused (``ENOMEM``), as ``np.empty`` raises it, so that
+            the API and the command report it as exhausted memory (``tenplex.errors.exhausted``),
+            not as a failing store.
+    """
+    try:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            raise MemoryError(f"buffer of {nbytes} bytes: the kernel refused the mapping "
+                              f"({exc.strerror})") from None
+        raise
+    return np.frombuffer(region, dtype=np.uint8)
 
 
 def _refs(buffer: np.ndarray) -> int:
@@ -86,7 +100,7 @@ class BufferPool:
                 if _refs(buffer) == self._idle:
                     self.reused += nbytes
                     return buffer[:nbytes]
-            buffer = fresh(size)
+            buffer = _fresh(size)
             if self.kept + size <= self.limit:
                 buffers.append(buffer)
                 self.kept += size

@@ -121,3 +121,20 @@ def test_pooled_buffers_ask_for_no_huge_pages():
     buffer[:] = 1
     assert buffer.ctypes.data % 4096 == 0
     assert "hg" not in _vm_flags(buffer.ctypes.data + (4 << 20))
+
+
+def test_a_refused_buffer_is_a_memory_error(monkeypatch):
+    """A mapping the kernel refuses (ENOMEM) is a MemoryError, as np.empty's would be, so the API
+    and the command report exhausted memory, not a failing store (an OSError would pass through
+    the store's error translation as one)."""
+    import errno
+    import mmap
+
+    import pytest
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(MemoryError, match=f"buffer of {8 << 20} bytes"):
+        BufferPool().take(8 << 20)
