@@ -62,7 +62,7 @@ from tenplex.models import GPTSpec, gpt_tree, random_state  # noqa: E402
 from tenplex.ptree.config import ParallelConfig  # noqa: E402
 from tenplex.ptree.sharding import Sharding  # noqa: E402
 from tenplex.ptree.shards import materialize  # noqa: E402
-from tenplex.store.blocks import BlockHasher, digest  # noqa: E402
+from tenplex.store.blocks import DEFAULT_BLOCK, BlockHasher, digest  # noqa: E402
 from tenplex.store.reader import StoreReader  # noqa: E402
 from tenplex.store.writer import save  # noqa: E402
 
@@ -106,7 +106,8 @@ def verified_floor(src: str, out: str, sizes: list[int]) -> float:
     start = time.perf_counter()
     for key in sorted(files):
         record, index = files[key], 0
-        assert CHUNK % record.block == 0, "a chunk must hold whole checksum blocks"
+        if CHUNK % record.block:
+            raise SystemExit(f"{key}: checksum block {record.block} does not divide the {CHUNK}-byte chunk")
         with open(os.path.join(src, key), "rb", buffering=0) as f:
             while n := f.readinto(buf):
                 for a in range(0, n, record.block):
@@ -114,7 +115,7 @@ def verified_floor(src: str, out: str, sizes: list[int]) -> float:
                         raise SystemExit(f"{key}: block {index} differs from the manifest")
                     index += 1
     for k, size in enumerate(sizes):
-        hasher = BlockHasher(1 << 20)
+        hasher = BlockHasher(DEFAULT_BLOCK)  # the reshard's output block
         with open(os.path.join(out, f"out-{k}.bin"), "wb", buffering=0) as f:
             while size > 0:
                 n = f.write(buf[:min(size, CHUNK)])
