@@ -90,7 +90,11 @@ class BufferPool:
         return 0
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A ``uint8`` array of ``nbytes`` (contents undefined), page-aligned if pooled."""
+        """A ``uint8`` array of ``nbytes`` (contents undefined), page-aligned if pooled.
+
+        Raises:
+            MemoryError: no memory for a new buffer (``np.empty``'s, or a refused mapping).
+        """
         if nbytes < POOLED_MIN:
             return np.empty(nbytes, np.uint8)
         size = 1 << (nbytes - 1).bit_length()
